@@ -1,0 +1,839 @@
+"""
+zero.py: ZeRO data parallelism for PyTorch in one file.
+
+Stages 0-3 of "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(Rajbhandari et al., 2020) by reduce-scatter / all-gather over torch.distributed, with
+fp16/bf16 compute and fp32 master weights, dynamic loss scaling, activation recompute,
+ZeRO-Offload's CPU Adam (Ren et al., 2021), sharded checkpoints, and a memory and
+communication ledger. The same code runs on CUDA with NCCL and on CPU with gloo.
+
+    import zero
+    rank, world_size, device = zero.init_distributed()
+    engine = zero.Zero(model, zero.Config(stage=3, dtype="bf16"))
+    loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()
+
+    torchrun --standalone --nproc_per_node=2 train_gpt.py --stage=3
+    python zero.py estimate --params 7.5e9 --world-size 64
+    python zero.py consolidate CKPT_DIR OUT.pt
+
+Sections, in the order data flows:
+  1. Config
+  2. Distributed setup and collectives (with the ledger)
+  3. Loss scaler
+  4. AdamW (one kernel for device and host)
+  5. Units and flat buffers
+  6. Engine: hooks, backward, step (and the offload worker)
+  7. Checkpoints
+  8. Memory estimator and the command line
+"""
+
+import argparse
+import datetime
+import functools
+import hashlib
+import json
+import math
+import os
+import queue
+import threading
+import warnings
+import zlib
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.adam import adam as functional_adam
+from torch.utils.checkpoint import checkpoint as recompute
+
+# -----------------------------------------------------------------------------
+# 1. Config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Config:
+    stage: int = 2                  # 0 plain data parallel | 1 shard optimizer states | 2 + gradients | 3 + parameters
+    dtype: str = "bf16"             # compute dtype of parameters and gradients: "fp32" | "bf16" | "fp16"
+    lr: float = 3e-4                # AdamW learning rate (engine.lr changes it between steps)
+    betas: tuple = (0.9, 0.95)      # AdamW moment decay rates
+    eps: float = 1e-8               # AdamW denominator epsilon
+    weight_decay: float = 0.1       # decoupled weight decay, on parameters with >= 2 dims only
+    grad_clip: float = 1.0          # clip the global gradient norm to this; 0 turns clipping off
+    accum_steps: int = 1            # micro-batches (backward calls) per optimizer step
+    checkpoint: object = False      # recompute activations: False | True (every unit) | k (every k-th unit)
+    offload: bool = False           # ZeRO-Offload: master weights, Adam moments, grad shard on the host (stages 1-3)
+    prefetch: bool = True           # stage 3: start the next unit's all-gather while this one computes
+    loss_scale: float = 2.0 ** 16   # fp16: initial dynamic loss scale
+    loss_scale_window: int = 1000   # fp16: clean steps before the scale doubles
+    hysteresis: int = 2             # fp16: overflows tolerated before the scale starts halving
+    min_loss_scale: float = 1.0     # fp16: the scale never drops below this
+    timeout_s: float = 300.0        # a collective that blocks longer than this raises instead of hanging
+
+    def validate(self):
+        def bad(what, fix):
+            raise ValueError(f"zero.Config: {what}; {fix}")
+        if self.stage not in (0, 1, 2, 3):
+            bad(f"stage={self.stage!r} does not exist", "use 0 (plain DP), 1, 2 or 3")
+        if self.dtype not in DTYPES:
+            bad(f"dtype={self.dtype!r} is not supported", f"use one of {list(DTYPES)}")
+        if not (isinstance(self.accum_steps, int) and self.accum_steps >= 1):
+            bad(f"accum_steps={self.accum_steps!r}", "use an integer >= 1 (1 = no accumulation)")
+        if isinstance(self.checkpoint, bool) or self.checkpoint is None:
+            pass
+        elif not (isinstance(self.checkpoint, int) and self.checkpoint >= 1):
+            bad(f"checkpoint={self.checkpoint!r}", "use False, True, or an int k >= 1 (every k-th unit)")
+        if self.offload and self.stage == 0:
+            bad("offload=True needs sharded optimizer states", "use stage 1, 2 or 3 with offload")
+        if not (self.lr >= 0 and self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0):
+            bad("lr, weight_decay and grad_clip must be >= 0 and eps > 0", "check the values")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            bad(f"betas={self.betas!r}", "use two numbers in [0, 1), e.g. (0.9, 0.95)")
+        if self.hysteresis < 1 or self.loss_scale_window < 1 or self.min_loss_scale <= 0:
+            bad("hysteresis and loss_scale_window must be >= 1, min_loss_scale > 0", "check the fp16 settings")
+        if self.timeout_s <= 0:
+            bad(f"timeout_s={self.timeout_s!r}", "use a positive number of seconds")
+        return self
+
+
+# -----------------------------------------------------------------------------
+# 2. Distributed setup and collectives
+
+def init_distributed(timeout_s=300.0):
+    """Join the torchrun job described by RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, device
+
+
+# torch 2.13 renamed the flat collectives; older releases (>= 2.4) have only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Comm:
+    """The engine's collectives. Every call is asynchronous, waited on with a timeout, and
+    recorded in a ledger of what this rank sends, counted as the ring algorithms do:
+    all-reduce 2M(N-1)/N, reduce-scatter and all-gather M(N-1)/N for M elements in all."""
+
+    def __init__(self, timeout_s):
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if self.dist else 1
+        self.rank = dist.get_rank() if self.dist else 0
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.ledger = {}
+
+    def _log(self, kind, t, ring_factor):
+        calls, elems, nbytes = self.ledger.get(kind, (0, 0, 0))
+        e = t.numel() * ring_factor * (self.world - 1) // self.world
+        self.ledger[kind] = (calls + 1, elems + e, nbytes + e * t.element_size())
+
+    def wait(self, work):
+        if work is not None and not work.wait(self.timeout):
+            raise RuntimeError(f"zero: a collective did not finish in {self.timeout}; another rank died or "
+                               "took another code path (raise Config.timeout_s if it is just slow)")
+
+    def all_reduce(self, t, op=dist.ReduceOp.SUM, kind="all_reduce", sync=True):
+        self._log(kind, t, 2)
+        work = dist.all_reduce(t, op=op, async_op=True) if self.world > 1 else None
+        return self.wait(work) if sync else work
+
+    def reduce_scatter(self, out, inp, kind="reduce_scatter", sync=True):
+        # out may be inp's own slice [rank*S, (rank+1)*S): NCCL and gloo both reduce in place
+        self._log(kind, inp, 1)
+        if self.world == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return None
+        work = _reduce_scatter(out, inp, async_op=True)
+        return self.wait(work) if sync else work
+
+    def all_gather(self, out, inp, kind="all_gather", sync=True):
+        # inp may be out's own slice: an in-place gather straight into the parameters' storage
+        self._log(kind, out, 1)
+        if self.world == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return None
+        work = _all_gather(out, inp, async_op=True)
+        return self.wait(work) if sync else work
+
+    def broadcast(self, t, src=0):
+        if self.world > 1:
+            self.wait(dist.broadcast(t, src, async_op=True))
+
+
+# -----------------------------------------------------------------------------
+# 3. Loss scaler
+
+class LossScaler:
+    """Dynamic loss scale for fp16 (DeepSpeed's rule): double after `window` clean steps;
+    on overflow skip the step, and once `hysteresis` overflows are used up, halve the scale."""
+
+    def __init__(self, cfg):
+        self.enabled = cfg.dtype == "fp16"
+        self.scale = cfg.loss_scale if self.enabled else 1.0
+        self.window, self.hysteresis, self.floor = cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale
+        self.clean_steps, self.hysteresis_left = 0, cfg.hysteresis
+
+    def update(self, overflow):
+        if not self.enabled:
+            return
+        if not overflow:
+            self.clean_steps += 1
+            if self.clean_steps == self.window:
+                self.scale, self.clean_steps, self.hysteresis_left = self.scale * 2, 0, self.hysteresis
+            return
+        self.clean_steps = 0
+        if self.hysteresis_left > 1:
+            self.hysteresis_left -= 1
+        elif self.scale <= self.floor:
+            warnings.warn(f"zero: fp16 gradients overflow at the minimum loss scale {self.floor}; the step is "
+                          "skipped again. The model produces inf/nan: lower the lr, check the data, or use bf16.")
+        else:
+            self.scale = max(self.scale / 2, self.floor)
+
+    def state_dict(self):
+        return dict(scale=self.scale, clean_steps=self.clean_steps, hysteresis_left=self.hysteresis_left)
+
+    def load_state_dict(self, sd):
+        self.scale, self.clean_steps, self.hysteresis_left = sd["scale"], sd["clean_steps"], sd["hysteresis_left"]
+
+
+# -----------------------------------------------------------------------------
+# 4. AdamW
+
+ADAM_CHUNK = 1 << 16  # elements per pass on the host: grad, master and moments of a chunk stay in L2
+
+
+def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+               grad_mult=1.0, out=None):
+    """AdamW (decoupled weight decay) on 1-D fp32 master/moment tensors, with PyTorch's fused
+    kernel. The gradient may be 16-bit and is multiplied by grad_mult (loss unscale and clip)
+    first; `out`, if given, receives the updated master in its own (16-bit) dtype. On the host
+    it works chunk by chunk, so the fp32 gradient copy and the 16-bit write-out hit the cache."""
+    n = master.numel()
+    chunk = n if master.is_cuda else ADAM_CHUNK
+    steps = torch.tensor(float(step - 1), device=master.device)  # the kernel increments it to `step`
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        g = grad[a:b].float() if grad.dtype != torch.float32 else grad[a:b]
+        if grad_mult != 1.0:
+            g = g * grad_mult if g.data_ptr() == grad[a:b].data_ptr() else g.mul_(grad_mult)
+        steps.fill_(step - 1)
+        functional_adam([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps],
+                              fused=True, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
+                              beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+        if out is not None:
+            out[a:b].copy_(master[a:b])
+
+
+# -----------------------------------------------------------------------------
+# 5. Units and flat buffers
+
+def find_units(model):
+    """Default units: every element of each outermost nn.ModuleList (a transformer block).
+    Lists nested inside a block stay part of it: units never nest."""
+    units = []
+
+    def visit(module):
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                units.extend(child)
+            else:
+                visit(child)
+    visit(model)
+    return units
+
+
+class Unit:
+    """Parameters that share one flat buffer, one collective and one shard.
+
+    flat        the whole unit in the compute dtype, padded to a multiple of the world size;
+                every parameter is a view into it (stage 3: storage freed between uses)
+    lo, hi      the range of flat this rank's optimizer owns (stage 0: all of it)
+    shard       stage 3: this rank's persistent slice of the parameters (the all-gather input)
+    grad        the whole gradient (stages 0-1: kept; stages 2-3: only while it is reduced)
+    grad_shard  the owned slice of the reduced gradient (host with offload)
+    master, exp_avg, exp_avg_sq   fp32 owned slice and Adam moments (host with offload)
+    """
+
+    def __init__(self, index, module, named_params, world, rank, stage):
+        self.index, self.module = index, module
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.padded = -(-off // world) * world
+        size = self.padded // world
+        self.lo, self.hi = (0, self.padded) if stage == 0 else (rank * size, (rank + 1) * size)
+        # owned ranges with and without weight decay (decay on >= 2-dim params only), merged when adjacent
+        self.decay_runs = []
+        for p, o in zip(self.params, self.offsets):
+            a, b = max(o, self.lo), min(o + p.numel(), self.hi)
+            if a < b:
+                self.add_run(a - self.lo, b - self.lo, p.dim() >= 2)
+        if self.padded > self.numel and self.numel < self.hi:  # padding is zero and stays zero
+            self.add_run(max(self.numel, self.lo) - self.lo, self.hi - self.lo, False)
+        self.flat = self.shard = self.grad = self.grad_shard = None
+        self.master = self.exp_avg = self.exp_avg_sq = None
+        self.staging = None
+        self.gather_work = None
+        self.gathered = True
+        self.seen = set()           # params whose gradient arrived in this accumulation window
+        self.reduced = False        # this micro-batch's collective was launched
+        self.updated = threading.Event()   # offload: the host update of this unit is done
+        self.updated.set()
+
+    def add_run(self, a, b, decay):
+        if self.decay_runs and self.decay_runs[-1][1] == a and self.decay_runs[-1][2] == decay:
+            a = self.decay_runs.pop()[0]
+        self.decay_runs.append((a, b, decay))
+
+
+# -----------------------------------------------------------------------------
+# 6. Engine
+
+class Zero:
+    """Wraps a model: shards it in place into units, hooks its forward and backward, and
+    steps AdamW on this rank's shard. Call it like the model, then backward(loss), then step()."""
+
+    def __init__(self, model, cfg=None, units=None):
+        self.cfg = cfg = (cfg or Config()).validate()
+        self.net = Comm(cfg.timeout_s)
+        self.rank, self.world = self.net.rank, self.net.world
+        self.dtype = DTYPES[cfg.dtype]
+        self.device = _engine_device()
+        self.module = model
+        self.scaler = LossScaler(cfg)
+        self.lr, self.step_count, self.grad_norm = cfg.lr, 0, 0.0
+        self.micro = 0                      # backward calls since the last step
+        self.last_comm = {}
+        self.fwd_order, self.last_fwd_order = [], []
+        self.host = torch.device("cpu") if cfg.offload else self.device
+        self.pin = cfg.offload and torch.cuda.is_available()  # pinning needs CUDA; same code path without it
+
+        # -- which parameter goes to which unit: a parameter used by several units goes to the root
+        unit_modules = list(units) if units is not None else find_units(model)
+        names = {}                          # id(param) -> its first name in the model
+        for n, p in model.named_parameters():
+            names.setdefault(id(p), n)
+        owners = {}
+        for i, m in enumerate(unit_modules):
+            for p in m.parameters():
+                owners.setdefault(id(p), set()).add(i)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("zero.Zero: the model has no trainable parameters (requires_grad=True); "
+                             "pass the model you mean to train")
+        groups = [[] for _ in unit_modules] + [[]]     # the last group is the root unit
+        for n, p in trainable:
+            o = owners.get(id(p), set())
+            groups[next(iter(o)) if len(o) == 1 else -1].append((n, p))
+        modules = unit_modules + [model]
+        self.units = []
+        for m, g in zip(modules, groups):
+            if g:                           # a block with only frozen parameters is no unit
+                self.units.append(Unit(len(self.units), m, g, self.world, self.rank, cfg.stage))
+        self.root = self.units[-1] if groups[-1] else None
+        self._check_ranks_agree(model)
+
+        # -- frozen parameters and buffers: cast, move, and take rank 0's values
+        for m in model.modules():
+            for n, p in m.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
+                    self.net.broadcast(p.data)
+            for n, b in m.named_buffers(recurse=False):
+                m._buffers[n] = b.to(self.device, self.dtype if b.is_floating_point() else b.dtype)
+                self.net.broadcast(m._buffers[n])
+
+        # -- flat buffers and this rank's shard state, built unit by unit from rank 0's fp32 weights
+        for u in self.units:
+            self._build(u)
+
+        # -- hooks
+        self.n_units = len(self.units)
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, i))
+            if u is not self.root or cfg.stage == 3 or cfg.offload:
+                u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u))
+                u.module.register_forward_hook(functools.partial(self._post_forward, u))
+        k = 1 if cfg.checkpoint is True else cfg.checkpoint
+        if k:
+            for j, u in enumerate(x for x in self.units if x is not self.root):
+                if j % k == 0:
+                    # non-reentrant recompute keeps dropout's RNG state and runs inside the unit's hooks,
+                    # so at stage 3 the unit is gathered again before its recompute
+                    u.module.forward = functools.partial(recompute, u.module.forward, use_reentrant=False)
+        self.ledger_reset()
+        self.worker = self.worker_error = None
+
+    def _check_ranks_agree(self, model):
+        """Ranks that disagree on the config or the model would hang in mismatched collectives:
+        compare a fingerprint of both first, and name what differs."""
+        if self.world == 1:
+            return
+        c = self.cfg
+        layout = ";".join(f"{u.index}:{n}:{tuple(p.shape)}" for u in self.units for n, p in zip(u.names, u.params))
+        fields_ = dict(stage=c.stage, dtype=list(DTYPES).index(c.dtype), accum_steps=c.accum_steps,
+                       offload=int(c.offload), checkpoint=int(c.checkpoint), units=len(self.units),
+                       params=sum(u.numel for u in self.units), layout=zlib.crc32(layout.encode()),
+                       config=zlib.crc32(repr(asdict(c)).encode()))
+        mine = torch.tensor(list(fields_.values()), dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world * len(mine), dtype=torch.int64, device=self.device)
+        self.net.all_gather(every, mine, kind="setup")
+        every = every.view(self.world, -1).tolist()
+        for r, row in enumerate(every):
+            diff = [f"{k}: rank 0 has {a}, rank {r} has {b}" for k, a, b in zip(fields_, every[0], row) if a != b]
+            if diff:
+                raise ValueError("zero.Zero: ranks disagree (" + "; ".join(diff) + "); launch every rank with "
+                                 "the same model and the same zero.Config")
+
+    def _build(self, u):
+        cfg, dev = self.cfg, self.device
+        full = torch.zeros(u.padded, dtype=torch.float32, device=dev)
+        with torch.no_grad():
+            for p, o in zip(u.params, u.offsets):
+                full[o:o + p.numel()].copy_(p.detach().reshape(-1))
+        self.net.broadcast(full)           # every rank starts from rank 0's weights
+        u.flat = full.to(self.dtype) if self.dtype != torch.float32 else full
+        for p, o in zip(u.params, u.offsets):
+            p.data = u.flat[o:o + p.numel()].view(p.shape)
+        owned = full[u.lo:u.hi]
+        pin = dict(pin_memory=True) if self.pin else {}
+
+        def state(src=None):
+            t = torch.empty(u.hi - u.lo, dtype=torch.float32, device=self.host, **pin)
+            return t.copy_(src) if src is not None else t.zero_()
+        if cfg.stage == 3:                  # the owned 16-bit slice stays, the whole buffer goes
+            u.shard = u.flat[u.lo:u.hi].clone()
+            self._free(u)
+        # fp32 compute without offload: the parameters are the master weights, no second copy
+        if self.dtype == torch.float32 and not cfg.offload:
+            u.master = u.shard if cfg.stage == 3 else u.flat[u.lo:u.hi]
+        else:
+            u.master = state(owned)
+        u.exp_avg, u.exp_avg_sq = state(), state()
+        if self.pin:                        # offload on CUDA: the worker writes 16-bit weights here first
+            u.staging = torch.empty(u.hi - u.lo, dtype=self.dtype, pin_memory=True)
+        if cfg.stage <= 1:                  # the whole gradient stays; stage 1 owns a slice of it
+            u.grad = torch.zeros(u.padded, dtype=self.dtype, device=dev)
+            u.grad_shard = u.grad[u.lo:u.hi]
+        if cfg.stage >= 2 or cfg.offload:
+            u.grad_shard = torch.zeros(u.hi - u.lo, dtype=self.dtype, device=self.host, **pin)
+        del full, owned
+
+    # -- stage 3 gathering: the flat buffer's storage is resized, the parameter views stay valid
+
+    def _start_gather(self, u):
+        if u.gathered or u.gather_work is not None:
+            return
+        u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+        u.gather_work = self.net.all_gather(u.flat, u.shard, sync=False)
+        if u.gather_work is None:
+            u.gathered = True
+
+    def _gather(self, u):
+        self._start_gather(u)
+        if u.gather_work is not None:
+            self.net.wait(u.gather_work)
+            u.gather_work, u.gathered = None, True
+
+    def _free(self, u):
+        assert u.gather_work is None
+        u.flat.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def _neighbour(self, u, delta, order):
+        if u.index in order:
+            j = order.index(u.index) + delta
+            if 0 <= j < len(order):
+                return self.units[order[j]]
+        return None
+
+    # -- forward hooks
+
+    def _pre_forward(self, u, module, args):
+        if u.index in self.fwd_order:       # a new forward: keep the last one's order for prefetching
+            self.last_fwd_order, self.fwd_order = self.fwd_order, []
+        self.fwd_order.append(u.index)
+        if self.cfg.offload:
+            self._wait_update(u)
+        if self.cfg.stage == 3:
+            self._gather(u)
+            nxt = self._neighbour(u, +1, self.last_fwd_order)
+            if self.cfg.prefetch and nxt is not None:
+                if self.cfg.offload:
+                    self._wait_update(nxt)
+                self._start_gather(nxt)
+
+    def _post_forward(self, u, module, args, output):
+        if self.cfg.stage != 3:
+            return
+        if torch.is_grad_enabled():
+            # gather again just before this unit's backward (and its recompute, if any)
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+            if u is self.root:
+                return                      # the root stays gathered until its backward is done
+        self._free(u)
+
+    def _pre_backward(self, u):
+        self._gather(u)
+        prev = self._neighbour(u, -1, self.fwd_order)
+        if self.cfg.prefetch and prev is not None and prev is not self.root:
+            self._start_gather(prev)
+
+    # -- backward: gradients are copied into the unit's flat gradient as they arrive
+
+    def _on_grad(self, u, i, p):
+        if p.grad is None:
+            return
+        o, n = u.offsets[i], u.params[i].numel()
+        if u.grad is None:                  # stages 2-3: a whole-unit gradient for this micro-batch only
+            u.grad = torch.empty(u.padded, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            if i in u.seen:
+                u.grad[o:o + n].add_(p.grad.view(-1))
+            else:
+                u.grad[o:o + n].copy_(p.grad.view(-1))
+                u.seen.add(i)
+        p.grad = None                       # autograd's copy is freed at once
+        if len(u.seen) == len(u.params) and self._reduces_now() and u is not self.root:
+            self._reduce(u)
+
+    def _reduces_now(self):
+        # stage 0 all-reduces on the last micro-batch, stage 1 reduce-scatters in step(), 2-3 every time
+        last = self.micro == self.cfg.accum_steps - 1
+        return self.cfg.stage >= 2 or (self.cfg.stage == 0 and last)
+
+    def _reduce(self, u):
+        """Launch u's gradient collective; at most two stay in flight, so whole-unit gradients
+        of stages 2-3 are freed as backward goes on."""
+        g = u.grad
+        if g is None:                       # no parameter of u took part in this micro-batch
+            g = u.grad = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+        for i, (p, o) in enumerate(zip(u.params, u.offsets)):
+            if i not in u.seen:             # unused this window: zero, not last window's values
+                g[o:o + p.numel()].zero_()
+                u.seen.add(i)
+        g[u.numel:].zero_()
+        # the mean over ranks and micro-batches, taken before the sum so that fp16 cannot overflow in it
+        g.mul_(1.0 / (self.world * self.cfg.accum_steps))
+        u.reduced = True
+        if self.cfg.stage == 0:
+            work = self.net.all_reduce(g, sync=False)
+        else:
+            work = self.net.reduce_scatter(g[u.lo:u.hi], g, sync=False)
+        self.in_flight.append((u, work))
+        while len(self.in_flight) > 2:
+            self._finish_reduce(*self.in_flight.pop(0))
+        if self.cfg.stage == 3 and u is not self.root:
+            self._free(u)
+
+    def _finish_reduce(self, u, work):
+        self.net.wait(work)
+        if self.cfg.stage >= 2 or self.cfg.offload:
+            mine = u.grad[u.lo:u.hi]
+            if self.micro == 0 or self.cfg.stage <= 1:
+                u.grad_shard.copy_(mine, non_blocking=self.pin)
+            else:
+                u.grad_shard.add_(mine.to(u.grad_shard.device))
+        if self.cfg.stage >= 2:
+            u.grad, u.seen = None, set()
+
+    def __call__(self, *args, **kwargs):
+        cast = functools.partial(_cast_floats, dtype=self.dtype)
+        return self.module(*cast(args), **cast(kwargs))
+
+    def backward(self, loss):
+        """Backward of this micro-batch's mean loss; returns when its gradients are reduced."""
+        if self.micro >= self.cfg.accum_steps:
+            raise RuntimeError(f"zero: backward() called {self.micro + 1} times without step(); "
+                               f"Config.accum_steps={self.cfg.accum_steps}")
+        self._wait_all_updates()             # no collective of ours may run beside the offload worker's
+        self.in_flight = []
+        (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
+        if self._reduces_now():
+            for u in self.units:            # units with unused parameters, and the root
+                if not u.reduced:
+                    self._reduce(u)
+        for item in self.in_flight:
+            self._finish_reduce(*item)
+        self.in_flight = []
+        for u in self.units:
+            u.reduced = False
+            if self.cfg.stage == 3 and u.gathered:
+                self._free(u)
+        self.micro += 1
+
+    # -- step
+
+    def step(self):
+        """AdamW on this rank's shard, then the updated parameters go back to every rank.
+        Returns False when the gradients were not finite (fp16 overflow: the step is skipped)."""
+        cfg = self.cfg
+        if self.micro != cfg.accum_steps:
+            raise RuntimeError(f"zero: step() after {self.micro} backward() calls; "
+                               f"Config.accum_steps={cfg.accum_steps} asks for exactly that many")
+        self.micro = 0
+        if cfg.stage == 1:                  # stage 1 reduce-scatters once, now
+            self.in_flight = []
+            for u in self.units:
+                self._reduce(u)
+            for item in self.in_flight:
+                self._finish_reduce(*item)
+        self._wait_all_updates()
+        if self.pin:
+            torch.cuda.current_stream().synchronize()   # the gradient shards' copies to the host landed
+        # the global norm of the unscaled gradient: one scalar all-reduce; inf or nan means overflow
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for u in self.units:
+            sq += torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32).to(self.device) ** 2
+        if cfg.stage >= 1:
+            self.net.all_reduce(sq, kind="scalar")
+        norm = sq.sqrt().item() / self.scaler.scale
+        self.grad_norm = norm
+        for u in self.units:
+            u.seen = set()
+        if not math.isfinite(norm):
+            self.scaler.update(overflow=True)
+            self.ledger_reset()
+            if self.scaler.enabled:
+                return False
+            raise FloatingPointError(
+                f"zero: the gradient norm is {norm} at step {self.step_count + 1} in {cfg.dtype}; nothing was "
+                "updated. The loss or the data produced inf/nan: lower the lr, check the inputs, or use fp16 "
+                "with loss scaling only if the cause is range")
+        clip = min(1.0, cfg.grad_clip / (norm + 1e-6)) if cfg.grad_clip > 0 else 1.0
+        mult = clip / self.scaler.scale
+        self.step_count += 1
+        self.scaler.update(overflow=False)
+        if cfg.offload:
+            self._start_updates(mult)
+        else:
+            for u in self.units:
+                self._update(u, mult, self._param_slice(u))
+            if cfg.stage in (1, 2):
+                works = [self.net.all_gather(u.flat, u.flat[u.lo:u.hi], sync=False) for u in self.units]
+                for w in works:
+                    self.net.wait(w)
+        self.ledger_reset()
+        return True
+
+    def _update(self, u, mult, out):
+        """AdamW on u's owned range; `out` receives the updated weights in the compute dtype."""
+        b1, b2 = self.cfg.betas
+        for a, b, decay in u.decay_runs:
+            adamw_step(u.master[a:b], u.grad_shard[a:b], u.exp_avg[a:b], u.exp_avg_sq[a:b], self.step_count,
+                       self.lr, b1, b2, self.cfg.eps, self.cfg.weight_decay if decay else 0.0,
+                       grad_mult=mult, out=None if out is None else out[a:b])
+
+    def _param_slice(self, u):
+        """Where the updated owned range of parameters goes: the shard (stage 3) or the flat buffer."""
+        if self.dtype == torch.float32 and not self.cfg.offload:
+            return None                     # the master weights are the parameters
+        return u.shard if self.cfg.stage == 3 else u.flat[u.lo:u.hi]
+
+    # -- ZeRO-Offload: a worker thread updates unit by unit in forward order, while the caller
+    #    goes on to the next forward, which waits only for the unit it is about to run
+
+    def _start_updates(self, mult):
+        if self.worker is None:
+            self.jobs, self.worker_error = queue.Queue(), None
+            self.worker = threading.Thread(target=self._worker, daemon=True, name="zero-offload-adam")
+            self.worker.start()
+        done = self.fwd_order or self.last_fwd_order
+        order = [i for i in done if i < len(self.units)] + [u.index for u in self.units if u.index not in done]
+        for i in order:
+            self.units[i].updated.clear()
+        self.jobs.put((order, mult))
+
+    def _worker(self):
+        while True:
+            order, mult = self.jobs.get()
+            for i in order:
+                u = self.units[i]
+                try:
+                    dest = self._param_slice(u)
+                    if u.staging is not None:   # CUDA: 16-bit result to pinned memory, then to the device
+                        self._update(u, mult, u.staging)
+                        dest.copy_(u.staging, non_blocking=True)
+                    else:
+                        self._update(u, mult, dest)
+                    if self.cfg.stage in (1, 2):
+                        # every rank's worker gathers in the same unit order; the main thread issues no
+                        # collective until all updates are done (backward and step wait for them)
+                        self.net.all_gather(u.flat, u.flat[u.lo:u.hi])
+                except BaseException as e:  # handed to the caller at its next wait
+                    self.worker_error = e
+                u.updated.set()
+
+    def _wait_update(self, u):
+        if not u.updated.wait(self.cfg.timeout_s):
+            raise RuntimeError("zero: the offload worker did not finish a unit in time")
+        if self.worker_error is not None:
+            err, self.worker_error = self.worker_error, None
+            raise RuntimeError("zero: the offload update failed") from err
+
+    def _wait_all_updates(self):
+        for u in self.units:
+            self._wait_update(u)
+
+    # -- what the engine tells its user
+
+    def ledger_reset(self):
+        self.last_comm = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.net.ledger.items()}
+        self.net.ledger = {}
+
+    def comm(self):
+        return self.last_comm
+
+    @property
+    def loss_scale(self):
+        return self.scaler.scale
+
+    def memory(self):
+        """Bytes of model state this rank really holds, by kind, on the device and on the host,
+        counted from the tensors' storages (each storage once)."""
+        out = {w: dict(params=0, grads=0, master=0, optim=0) for w in ("device", "host")}
+        seen = set()
+
+        def add(t, kind, where):
+            if t is None:
+                return
+            st = t.untyped_storage()
+            if st.nbytes() == 0 or st.data_ptr() in seen:
+                return
+            seen.add(st.data_ptr())
+            out[where][kind] += st.nbytes()
+        host = "host" if self.cfg.offload else "device"
+        for u in self.units:
+            add(u.flat, "params", "device")
+            add(u.shard, "params", "device")
+            add(u.grad, "grads", "device")
+            add(u.grad_shard, "grads", host)
+            add(u.master, "master", host)
+            add(u.exp_avg, "optim", host)
+            add(u.exp_avg_sq, "optim", host)
+            add(u.staging, "params", "host")
+        return out
+
+    def num_params(self, padded=False):
+        return sum(u.padded if padded else u.numel for u in self.units)
+
+    def full_state_dict(self):
+        """The whole model as a plain fp32 state_dict, on every rank (a collective): one unit's
+        master weights are gathered at a time, so memory never holds more than the result and one unit."""
+        self._wait_all_updates()
+        values = {}
+        for u in self.units:
+            full = self._gather_master(u)
+            for p, o in zip(u.params, u.offsets):
+                values[id(p)] = full[o:o + p.numel()].view(p.shape).clone()
+            del full
+        sd = {}
+        for k, t in self.module.state_dict(keep_vars=True).items():
+            v = values.get(id(t))
+            if v is None:
+                v = t.detach().clone()
+                v = v.float() if v.is_floating_point() else v
+            sd[k] = v.cpu()
+        return sd
+
+    def _gather_master(self, u):
+        if self.cfg.stage == 0:
+            return u.master.to(self.device, torch.float32)
+        full = torch.empty(u.padded, dtype=torch.float32, device=self.device)
+        self.net.all_gather(full, u.master.to(self.device, torch.float32), kind="state_dict")
+        return full
+
+
+def _engine_device():
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _cast_floats(x, dtype):
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast_floats(y, dtype) for y in x)
+    if isinstance(x, dict):
+        return {k: _cast_floats(v, dtype) for k, v in x.items()}
+    return x
+
+
+# -----------------------------------------------------------------------------
+# 8. Memory estimator and the command line
+
+def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False):
+    """The ZeRO paper's model-state bytes per rank: params and grads in the compute dtype,
+    fp32 master (none in fp32 compute) and two fp32 Adam moments, each sharded by the stage."""
+    if dtype not in DTYPES:
+        raise ValueError(f"estimate_memory: dtype={dtype!r}; use one of {list(DTYPES)}")
+    psi, n = num_params, world_size
+    p = DTYPES[dtype].itemsize
+    master = 0 if dtype == "fp32" and not offload else 4
+    dev = dict(params=p * psi / (n if stage >= 3 else 1), grads=p * psi / (n if stage >= 2 else 1),
+               master=master * psi / (n if stage >= 1 else 1), optim=8 * psi / (n if stage >= 1 else 1))
+    host = dict(params=0, grads=0, master=0, optim=0)
+    if offload:
+        host.update(grads=p * psi / n, master=dev["master"], optim=dev["optim"])
+        dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else 0)
+    r = lambda d: {k: int(round(v)) for k, v in d.items()}
+    return dict(device=r(dev), host=r(host))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="zero.py", description=__doc__.split("\n")[1])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("estimate", help="model-state memory per rank for each stage (the ZeRO paper's formula)")
+    e.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 7.5e9")
+    e.add_argument("--world-size", type=int, required=True)
+    e.add_argument("--dtype", default="fp16", choices=list(DTYPES))
+    c = sub.add_parser("consolidate", help="a sharded checkpoint to one plain fp32 state_dict file")
+    c.add_argument("ckpt")
+    c.add_argument("out")
+    a = ap.parse_args(argv)
+    if a.cmd == "estimate":
+        print(f"model states per rank, {a.params:.4g} params, {a.world_size} ranks, {a.dtype} + fp32 Adam (GB = 1e9 B)")
+        print(f"{'stage':>5} {'params':>9} {'grads':>9} {'master':>9} {'optim':>9} {'total':>9}")
+        for s in range(4):
+            d = estimate_memory(a.params, a.world_size, s, a.dtype)["device"]
+            print(f"{s:>5} " + " ".join(f"{d[k] / 1e9:>9.4g}" for k in ("params", "grads", "master", "optim"))
+                  + f" {sum(d.values()) / 1e9:>9.1f}")
+    elif a.cmd == "consolidate":
+        torch.save(consolidate(a.ckpt), a.out)
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

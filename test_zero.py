@@ -15,6 +15,8 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 import zero
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 SPAWN_TIMEOUT = 240  # seconds for a whole group of processes; a hang fails the test instead
 
 
@@ -184,6 +187,7 @@ def train(rank, world, cfg, steps, batch, model_kw=None, inject_inf=None):
     return dict(losses=losses, norms=norms, oks=oks, sd=engine.full_state_dict(), mem=engine.memory(),
                 comm=engine.comm(), psi=engine.num_params(), psi_padded=engine.num_params(padded=True),
                 root=engine.root.padded if engine.root else 0, scale=engine.loss_scale,
+                peak_gathered=engine.peak_gathered_bytes, max_unit=max(u.padded for u in engine.units[:-1]),
                 step_count=engine.step_count)
 
 
@@ -261,3 +265,237 @@ def test_parity_every_stage_and_dtype(world):
         assert r["psi"] == psi
         for k, v in res[(0, dtype)]["sd"].items():
             assert (r["sd"][k] - v).abs().max() <= 1e-6, f"{tag}: {k} differs from stage 0"
+
+
+# -----------------------------------------------------------------------------
+# models nobody here wrote: a weight shared by two blocks, tied weights, buffer, frozen, dict output;
+# gradient accumulation; unused parameters
+
+def _model_cases(rank, world):
+    out = {}
+    for stage in range(4):
+        cfg = zero.Config(stage=stage, dtype="fp32", lr=LR)
+        out[("share", stage)] = train(rank, world, cfg, STEPS, BATCH, dict(share=True))
+        cfg = zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=4)
+        out[("accum", stage)] = train(rank, world, cfg, STEPS, 4 * BATCH)
+    return out if rank == 0 else None
+
+
+def test_shared_weights_and_accumulation():
+    res = spawn(_model_cases, 2)[0]
+    ref_share = reference(STEPS, BATCH, zero.Config(lr=LR), share=True)
+    ref_accum = reference(STEPS, 4 * BATCH, zero.Config(lr=LR))   # one batch 4x as large
+    for stage in range(4):
+        _check_parity(res[("share", stage)], "fp32", ref_share, f"shared weight, stage {stage}")
+        _check_parity(res[("accum", stage)], "fp32", ref_accum, f"4 micro-batches, stage {stage}")
+
+
+class PartlyUsed(nn.Module):
+    """A block whose second branch only runs on odd steps: its gradient is missing on even ones."""
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.extra = nn.Linear(6, 6)
+        self.use_extra = False
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        if self.use_extra:
+            x = self.extra(x)
+        return self.blocks[1](x).pow(2).mean()
+
+
+def _unused_case(rank, world, stage):
+    torch.manual_seed(0)
+    ref, model = PartlyUsed(), PartlyUsed()
+    model.load_state_dict(ref.state_dict())
+    engine = zero.Zero(model, zero.Config(stage=stage, dtype="fp32", lr=1e-2, weight_decay=0.0, accum_steps=2))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95))
+    xs = torch.randn(3, 2, 4 * world, 6, generator=torch.Generator().manual_seed(3))
+    for s in range(3):
+        opt.zero_grad()
+        for m in range(2):
+            ref.use_extra = model.use_extra = (s + m) % 2 == 1
+            x = xs[s, m]
+            (ref(x) / 2).backward()
+            engine.backward(engine(x[rank * 4:(rank + 1) * 4]))
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        engine.step()
+    sd = engine.full_state_dict()
+    return max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_unused_parameters(stage):
+    for err in spawn(_unused_case, 2, stage):
+        assert err < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# fp16 overflow: an inf in one rank's gradient skips the step on every rank and loses nothing
+
+def _state(engine):
+    return [t.clone() for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq, u.flat if u.shard is None
+                                                       else u.shard)]
+
+
+def _overflow_case(rank, world, stage):
+    out = {}
+    for hysteresis in (1, 2):
+        cfg = zero.Config(stage=stage, dtype="fp16", lr=LR, loss_scale=2.0 ** 10, hysteresis=hysteresis)
+        engine = zero.Zero(make_model(), cfg)
+        xs, ys = make_batches(4, 2 * world)
+        seen = []
+        for s in range(4):
+            x, y = xs[s, 2 * rank:2 * rank + 2], ys[s, 2 * rank:2 * rank + 2]
+            engine.backward(engine(x, y)["loss"])
+            if s in (1, 2) and rank == world - 1:
+                _poison_grad(engine)           # only the last rank overflows
+            before, scale = _state(engine), engine.loss_scale
+            ok = engine.step()
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, _state(engine)))
+            seen.append((ok, unchanged, scale, engine.loss_scale, engine.step_count))
+        out[hysteresis] = seen
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_overflow_skips_on_every_rank(stage):
+    for seen in spawn(_overflow_case, 2, stage):
+        # hysteresis 1: each overflow skips and halves the scale; state untouched; then training goes on
+        h1 = seen[1]
+        assert [s[0] for s in h1] == [True, False, False, True]
+        assert [s[1] for s in h1] == [False, True, True, False]
+        assert [s[3] for s in h1] == [1024.0, 512.0, 256.0, 256.0]
+        assert [s[4] for s in h1] == [1, 1, 1, 2]
+        # hysteresis 2 (the default): the first overflow only skips, the second halves
+        h2 = seen[2]
+        assert [s[0] for s in h2] == [True, False, False, True]
+        assert [s[3] for s in h2] == [1024.0, 1024.0, 512.0, 512.0]
+
+
+def test_loss_scaler_rules():
+    cfg = zero.Config(dtype="fp16", loss_scale=4.0, loss_scale_window=3, hysteresis=1, min_loss_scale=1.0)
+    sc = zero.LossScaler(cfg)
+    for _ in range(3):
+        sc.update(False)
+    assert sc.scale == 8.0                      # doubled after `window` clean steps
+    sc.update(True), sc.update(True), sc.update(True)
+    assert sc.scale == 1.0                      # halved down to the floor
+    with pytest.warns(UserWarning, match="minimum loss scale"):
+        sc.update(True)                         # at the floor: warn and keep skipping, no crash
+    assert sc.scale == 1.0
+
+
+def _nan_case(rank, world):
+    engine = zero.Zero(make_model(), zero.Config(stage=2, dtype="bf16", lr=LR))
+    x, y = make_batches(1, 2)
+    engine.backward(engine(x[0], y[0])["loss"] * float("nan"))
+    before = _state(engine)
+    with pytest.raises(FloatingPointError, match="nothing was updated"):
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(engine)))
+    engine.backward(engine(x[0], y[0])["loss"])     # and the engine goes on afterwards
+    return engine.step()
+
+
+def test_nan_loss_in_bf16_is_a_clear_error():
+    assert spawn(_nan_case, 1) == [True]
+
+
+# -----------------------------------------------------------------------------
+# memory and communication against the formulas, from what the engine really holds and moves
+
+def _memory_case(rank, world, dtype):
+    out = {}
+    for stage in range(4):
+        cfg = zero.Config(stage=stage, dtype=dtype, lr=LR)
+        r = train(rank, world, cfg, 2, 2 * world, dict(n_blocks=6))
+        out[stage] = r
+    return out if rank == 0 else None
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "bf16"), (3, "fp32")])
+def test_memory_and_communication_match_the_formulas(world, dtype):
+    res = spawn(_memory_case, world, dtype)[0]
+    el = zero.DTYPES[dtype].itemsize
+    for stage, r in res.items():
+        psi, padded = r["psi"], r["psi_padded"]
+        assert psi <= padded < psi + 5 * world                  # padding: under `world` elements per unit
+        want = zero.estimate_memory(padded, world, stage, dtype)
+        assert r["mem"]["device"] == want["device"], f"stage {stage}: {r['mem']} vs formula {want}"
+        assert r["mem"]["host"] == dict(params=0, grads=0, master=0, optim=0)
+        comm = {k: v["elements"] for k, v in r["comm"].items() if k in ("all_reduce", "reduce_scatter", "all_gather")}
+        f = (world - 1) / world
+        if stage == 0:
+            assert comm == {"all_reduce": 2 * padded * f}
+        elif stage in (1, 2):
+            assert comm == {"reduce_scatter": padded * f, "all_gather": padded * f}
+        else:
+            # 3 Psi (N-1)/N, less one all-gather of the root unit, which stays whole from its forward
+            # through its backward (as FSDP keeps its root): nothing gathers it twice
+            assert comm == {"reduce_scatter": padded * f, "all_gather": (2 * padded - r["root"]) * f}
+        for k, v in r["comm"].items():
+            if k in comm:
+                assert v["bytes"] == v["elements"] * el
+    # stage 3 really frees: whole units held at once stay a fraction of the model
+    assert 0 < res[3]["peak_gathered"] <= res[3]["root"] * el + 2 * max_unit_bytes(res[3], el)
+
+
+def max_unit_bytes(r, el):
+    return r["max_unit"] * el
+
+
+# -----------------------------------------------------------------------------
+# user mistakes: clear errors that name the fix, never a hang
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(stage=4), "stage=4"), (dict(dtype="fp8"), "dtype='fp8'"), (dict(accum_steps=0), "accum_steps=0"),
+    (dict(offload=True, stage=0), "offload"), (dict(checkpoint=-1), "checkpoint"), (dict(betas=(0.9, 1.5)), "betas"),
+])
+def test_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        zero.Zero(make_model(), zero.Config(**kw))
+
+
+def test_model_errors_and_misuse():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zero.Zero(nn.Sequential(), zero.Config())
+    frozen = make_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zero.Zero(frozen, zero.Config())
+    engine = zero.Zero(make_model(), zero.Config(stage=2, dtype="fp32", accum_steps=2))
+    x, y = make_batches(1, 2)
+    engine.backward(engine(x[0], y[0])["loss"])
+    with pytest.raises(RuntimeError, match="accum_steps=2"):
+        engine.step()                           # one backward short
+    engine.backward(engine(x[0], y[0])["loss"])
+    with pytest.raises(RuntimeError, match="without step"):
+        engine.backward(engine(x[0], y[0])["loss"])
+    assert engine.step()
+
+
+def _disagree_case(rank, world, what):
+    cfg = zero.Config(stage=3 if (what == "stage" and rank == 1) else 2)
+    model = make_model(d=16 if (what == "model" and rank == 1) else 14)
+    try:
+        zero.Zero(model, cfg)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("what,match", [("stage", "stage: rank 0 has 2, rank 1 has 3"), ("model", "params: rank 0 has")])
+def test_ranks_that_disagree_get_an_error_not_a_hang(what, match):
+    for msg in spawn(_disagree_case, 2, what):
+        assert match in msg and "same model and the same zero.Config" in msg, msg
+
+
+def test_estimate_reproduces_the_paper():
+    gb = lambda s: sum(zero.estimate_memory(7.5e9, 64, s, "fp16")["device"].values()) / 1e9
+    assert [round(gb(s), 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+    out = subprocess.run([sys.executable, "zero.py", "estimate", "--params", "7.5e9", "--world-size", "64"],
+                         capture_output=True, text=True, check=True, cwd=HERE).stdout
+    totals = [line.split()[-1] for line in out.splitlines()[2:6]]
+    assert totals == ["120.0", "31.4", "16.6", "1.9"], out

@@ -293,6 +293,7 @@ class Unit:
         self.gather_work = None
         self.gathered = True
         self.seen = set()           # params whose gradient arrived in this accumulation window
+        self.arrived = 0            # gradients that arrived in this micro-batch
         self.reduced = False        # this micro-batch's collective was launched
         self.updated = threading.Event()   # offload: the host update of this unit is done
         self.updated.set()
@@ -320,6 +321,7 @@ class Zero:
         self.scaler = LossScaler(cfg)
         self.lr, self.step_count, self.grad_norm = cfg.lr, 0, 0.0
         self.micro = 0                      # backward calls since the last step
+        self.peak_gathered_bytes = 0        # stage 3: the most bytes of whole units held at once
         self.last_comm = {}
         self.fwd_order, self.last_fwd_order = [], []
         self.host = torch.device("cpu") if cfg.offload else self.device
@@ -443,6 +445,8 @@ class Zero:
         if u.gathered or u.gather_work is not None:
             return
         u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+        held = sum(x.flat.untyped_storage().nbytes() for x in self.units)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
         u.gather_work = self.net.all_gather(u.flat, u.shard, sync=False)
         if u.gather_work is None:
             u.gathered = True
@@ -514,7 +518,8 @@ class Zero:
                 u.grad[o:o + n].copy_(p.grad.view(-1))
                 u.seen.add(i)
         p.grad = None                       # autograd's copy is freed at once
-        if len(u.seen) == len(u.params) and self._reduces_now() and u is not self.root:
+        u.arrived += 1
+        if u.arrived == len(u.params) and self._reduces_now():
             self._reduce(u)
 
     def _reduces_now(self):
@@ -577,7 +582,7 @@ class Zero:
             self._finish_reduce(*item)
         self.in_flight = []
         for u in self.units:
-            u.reduced = False
+            u.reduced, u.arrived = False, 0
             if self.cfg.stage == 3 and u.gathered:
                 self._free(u)
         self.micro += 1
@@ -605,8 +610,8 @@ class Zero:
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for u in self.units:
             sq += torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32).to(self.device) ** 2
-        if cfg.stage >= 1:
-            self.net.all_reduce(sq, kind="scalar")
+        # stage 0 holds the whole gradient on every rank: MAX only makes the ranks agree on overflow
+        self.net.all_reduce(sq, op=dist.ReduceOp.SUM if cfg.stage else dist.ReduceOp.MAX, kind="scalar")
         norm = sq.sqrt().item() / self.scaler.scale
         self.grad_norm = norm
         for u in self.units:

@@ -499,3 +499,68 @@ def test_estimate_reproduces_the_paper():
                          capture_output=True, text=True, check=True, cwd=HERE).stdout
     totals = [line.split()[-1] for line in out.splitlines()[2:6]]
     assert totals == ["120.0", "31.4", "16.6", "1.9"], out
+
+
+# -----------------------------------------------------------------------------
+# activation recompute and ZeRO-Offload
+
+def _recompute_offload_cases(rank, world):
+    out = {}
+    for stage in range(4):
+        for ck in (False, True, 2):
+            cfg = zero.Config(stage=stage, dtype="fp32", lr=LR, checkpoint=ck)
+            out[("ck", stage, ck)] = train(rank, world, cfg, 3, 4 * world, dict(dropout=0.1))
+    for stage in (1, 2, 3):
+        for dtype in ("fp32", "bf16"):
+            for off in (False, True):
+                cfg = zero.Config(stage=stage, dtype=dtype, lr=LR, offload=off)
+                out[("off", stage, dtype, off)] = train(rank, world, cfg, 3, 4 * world)
+    return out if rank == 0 else None
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_recompute_and_offload_change_nothing(world):
+    res = spawn(_recompute_offload_cases, world)[0]
+    same = lambda a, b: a["losses"] == b["losses"] and all(torch.equal(a["sd"][k], v) for k, v in b["sd"].items())
+    for stage in range(4):
+        # dropout is on: recompute must replay the same random masks, bit for bit in fp32
+        for ck in (True, 2):
+            assert same(res[("ck", stage, ck)], res[("ck", stage, False)]), f"checkpoint={ck} stage {stage}"
+    for stage in (1, 2, 3):
+        for dtype in ("fp32", "bf16"):
+            on, off = res[("off", stage, dtype, True)], res[("off", stage, dtype, False)]
+            assert same(on, off), f"offload changed stage {stage} {dtype}"
+            psi = on["psi_padded"]
+            want = zero.estimate_memory(psi, world, stage, dtype, offload=True)
+            assert on["mem"] == want, f"offload memory at stage {stage} {dtype}: {on['mem']} vs {want}"
+            # the device keeps only the 16-bit parameters (and stage 1's whole gradient)
+            el = zero.DTYPES[dtype].itemsize
+            dev = on["mem"]["device"]
+            assert dev["master"] == dev["optim"] == 0
+            assert dev["params"] == psi * el // (world if stage == 3 else 1)
+
+
+def saved_activation_bytes(engine, x, y):
+    """Bytes autograd keeps for backward during one forward (each storage once), then backward."""
+    held = {}
+
+    def pack(t):
+        if t.device.type != "meta":
+            st = t.untyped_storage()
+            held.setdefault(st.data_ptr(), st.nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = engine(x, y)["loss"]
+    engine.backward(loss)
+    engine.step()
+    params = {u.flat.untyped_storage().data_ptr() for u in engine.units}
+    return sum(b for p, b in held.items() if p not in params)
+
+
+def test_recompute_cuts_saved_activations():
+    x, y = make_batches(1, 8, seq=8)
+    sizes = {}
+    for ck in (False, True):
+        engine = zero.Zero(make_model(n_blocks=8, d=32, h=128), zero.Config(stage=3, dtype="fp32", checkpoint=ck))
+        sizes[ck] = saved_activation_bytes(engine, x[0], y[0])
+    assert sizes[True] <= sizes[False] / 4, sizes

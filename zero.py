@@ -415,21 +415,20 @@ class Zero:
         u.flat = full.to(self.dtype) if self.dtype != torch.float32 else full
         for p, o in zip(u.params, u.offsets):
             p.data = u.flat[o:o + p.numel()].view(p.shape)
-        owned = full[u.lo:u.hi]
         pin = dict(pin_memory=True) if self.pin else {}
 
         def state(src=None):
             t = torch.empty(u.hi - u.lo, dtype=torch.float32, device=self.host, **pin)
             return t.copy_(src) if src is not None else t.zero_()
-        if cfg.stage == 3:                  # the owned 16-bit slice stays, the whole buffer goes
+        # fp32 compute without offload: the parameters are the master weights, no second copy
+        shares_storage = self.dtype == torch.float32 and not cfg.offload
+        u.master = None if shares_storage else state(full[u.lo:u.hi])
+        u.exp_avg, u.exp_avg_sq = state(), state()
+        if cfg.stage == 3:                  # the owned slice stays, the whole buffer goes
             u.shard = u.flat[u.lo:u.hi].clone()
             self._free(u)
-        # fp32 compute without offload: the parameters are the master weights, no second copy
-        if self.dtype == torch.float32 and not cfg.offload:
+        if shares_storage:
             u.master = u.shard if cfg.stage == 3 else u.flat[u.lo:u.hi]
-        else:
-            u.master = state(owned)
-        u.exp_avg, u.exp_avg_sq = state(), state()
         if self.pin:                        # offload on CUDA: the worker writes 16-bit weights here first
             u.staging = torch.empty(u.hi - u.lo, dtype=self.dtype, pin_memory=True)
         if cfg.stage <= 1:                  # the whole gradient stays; stage 1 owns a slice of it
@@ -437,7 +436,7 @@ class Zero:
             u.grad_shard = u.grad[u.lo:u.hi]
         if cfg.stage >= 2 or cfg.offload:
             u.grad_shard = torch.zeros(u.hi - u.lo, dtype=self.dtype, device=self.host, **pin)
-        del full, owned
+        del full
 
     # -- stage 3 gathering: the flat buffer's storage is resized, the parameter views stay valid
 

@@ -564,3 +564,195 @@ def test_recompute_cuts_saved_activations():
         engine = zero.Zero(make_model(n_blocks=8, d=32, h=128), zero.Config(stage=3, dtype="fp32", checkpoint=ck))
         sizes[ck] = saved_activation_bytes(engine, x[0], y[0])
     assert sizes[True] <= sizes[False] / 4, sizes
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: bit-exact resume, another world size and stage, consolidation, crashes, bad files
+
+def _shard_state(engine):
+    return [torch.cat([getattr(u, k).float().flatten() for u in engine.units]) for k in ("master", "exp_avg", "exp_avg_sq")]
+
+
+def _run(rank, world, engine, steps, start, batch=12, die_at=None, ckpt=None, every=None):
+    """Train steps [start, start+steps) on this rank's slice of each step's global batch."""
+    xs, ys = make_batches(start + steps, batch)
+    per = batch // world
+    losses = []
+    for s in range(start, start + steps):
+        if die_at is not None and s == die_at and rank == 1:
+            os._exit(1)                     # a rank dies mid-training, without a word
+        loss = engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"]
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if every and (s + 1) % every == 0:
+            zero.save(engine, ckpt)
+    return losses
+
+
+def _resume_case(rank, world, stage, dtype, ckpt):
+    cfg = zero.Config(stage=stage, dtype=dtype, lr=LR, loss_scale=2.0 ** 10, loss_scale_window=2)
+    engine = zero.Zero(make_model(dropout=0.1), cfg)
+    _run(rank, world, engine, 2, 0)
+    zero.save(engine, ckpt)
+    _run(rank, world, engine, 3, 2)
+    straight = (engine.full_state_dict(), _shard_state(engine), engine.loss_scale, engine.step_count)
+    fresh = zero.Zero(make_model(seed=5, dropout=0.1), cfg)   # other weights, to be overwritten
+    meta = zero.load(fresh, ckpt)
+    _run(rank, world, fresh, 3, 2)
+    resumed = (fresh.full_state_dict(), _shard_state(fresh), fresh.loss_scale, fresh.step_count)
+    return straight, resumed, meta["step"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_checkpoint_resume_is_bit_exact(tmp_path, dtype):
+    for stage in range(4):
+        d = str(tmp_path / f"{dtype}{stage}")
+        for straight, resumed, step in spawn(_resume_case, 2, stage, dtype, d):
+            assert step == 2
+            assert straight[0].keys() == resumed[0].keys()
+            for k in straight[0]:
+                assert torch.equal(straight[0][k], resumed[0][k]), f"stage {stage}: {k}"
+            for a, b in zip(straight[1], resumed[1]):
+                assert torch.equal(a, b), f"stage {stage}: optimizer state differs"
+            assert straight[2:] == resumed[2:]
+            if dtype == "fp16":
+                assert straight[2] > 2.0 ** 10          # the scale grew, and the resumed run kept it
+
+
+def _reshard_save(rank, world, ckpt):
+    engine = zero.Zero(make_model(), zero.Config(stage=3, dtype="fp32", lr=LR))
+    _run(rank, world, engine, 2, 0)
+    zero.save(engine, ckpt)
+    losses = _run(rank, world, engine, 3, 2)
+    return losses, engine.full_state_dict()
+
+
+def _reshard_load(rank, world, stage, ckpt):
+    engine = zero.Zero(make_model(seed=7), zero.Config(stage=stage, dtype="fp32", lr=LR))
+    zero.load(engine, ckpt)
+    first = engine.full_state_dict()
+    return _run(rank, world, engine, 3, 2), first
+
+
+def test_checkpoint_loads_on_another_world_size_and_stage(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    saved = spawn(_reshard_save, 2, ckpt)
+    want_losses = [(a + b) / 2 for a, b in zip(saved[0][0], saved[1][0])]
+    loaded_sd = zero.consolidate(ckpt)
+    for world, stage in ((3, 1), (1, 0)):
+        out = spawn(_reshard_load, world, stage, ckpt)
+        for k, v in loaded_sd.items():
+            assert torch.equal(out[0][1][k], v), f"world {world} stage {stage}: {k} after load"
+        got = [sum(r[0][i] for r in out) / world for i in range(3)]
+        for a, b in zip(got, want_losses):
+            assert abs(a - b) <= 1e-5 * abs(b), f"world {world} stage {stage}: loss {a} vs {b} at 2 ranks"
+
+
+def _consolidate_case(rank, world, ckpt):
+    engine = zero.Zero(make_model(share=True), zero.Config(stage=3, dtype="bf16", lr=LR))
+    _run(rank, world, engine, 2, 0)
+    zero.save(engine, ckpt)
+    return engine.full_state_dict()
+
+
+def test_consolidate_equals_full_state_dict_and_loads(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    full = spawn(_consolidate_case, 2, ckpt)[0]
+    sd = zero.consolidate(ckpt)
+    assert list(sd) == list(full)
+    for k in full:
+        assert torch.equal(sd[k], full[k]), k
+    model = make_model(share=True)
+    model.load_state_dict(sd)               # strict: every key, every shape
+    out = str(tmp_path / "model.pt")
+    subprocess.run([sys.executable, "zero.py", "consolidate", ckpt, out], check=True, cwd=HERE, capture_output=True)
+    again = torch.load(out, weights_only=True)
+    assert all(torch.equal(again[k], v) for k, v in sd.items())
+
+
+def _crash_in_save(rank, world, ckpt, crash_at):
+    engine = zero.Zero(make_model(), zero.Config(stage=2, dtype="fp32", lr=LR))
+    _run(rank, world, engine, 1, 0)
+    zero.save(engine, ckpt)
+    torch.save(engine.full_state_dict(), ckpt + ".want")
+    _run(rank, world, engine, 1, 1)
+    calls = [0]
+    real = os.replace
+
+    def dying_replace(a, b):                # the process is killed at the crash_at-th rename
+        calls[0] += 1
+        if calls[0] == crash_at:
+            os._exit(3)
+        return real(a, b)
+    os.replace = dying_replace
+    zero.save(engine, ckpt)
+
+
+def _load_state(rank, world, ckpt):
+    engine = zero.Zero(make_model(seed=9), zero.Config(stage=1, dtype="fp32", lr=LR))
+    meta = zero.load(engine, ckpt)
+    return meta["step"], engine.full_state_dict()
+
+
+def test_a_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
+    for crash_at in (1, 2, 3):              # before the rank file, before meta.json, before `latest`
+        ckpt = str(tmp_path / f"ck{crash_at}")
+        with pytest.raises(AssertionError, match="died"):
+            spawn(_crash_in_save, 1, ckpt, crash_at)
+        step, sd = spawn(_load_state, 1, ckpt)[0]
+        want = torch.load(ckpt + ".want", weights_only=True)
+        assert step == 1 and all(torch.equal(sd[k], v) for k, v in want.items())
+
+
+def _interrupted(rank, world, ckpt, die_at, steps, resume):
+    engine = zero.Zero(make_model(dropout=0.1), zero.Config(stage=3, dtype="fp32", lr=LR, timeout_s=20))
+    start = zero.load(engine, ckpt)["step"] if resume else 0
+    _run(rank, world, engine, steps - start, start, die_at=die_at, ckpt=ckpt, every=2)
+    return engine.full_state_dict()
+
+
+def test_a_killed_rank_restarted_from_its_checkpoint_ends_where_an_uninterrupted_run_does(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    with pytest.raises(AssertionError, match="died|failed"):
+        spawn(_interrupted, 2, ckpt, 5, 6, False)      # rank 1 dies at step 5; last checkpoint: step 4
+    resumed = spawn(_interrupted, 2, ckpt, None, 6, True)[0]
+    straight = spawn(_interrupted, 2, str(tmp_path / "other"), None, 6, False)[0]
+    for k, v in straight.items():
+        assert torch.equal(resumed[k], v), k
+
+
+def _bad_load(rank, world, ckpt, d):
+    engine = zero.Zero(make_model(d=d, share=True), zero.Config(stage=2, dtype="fp32"))
+    before = engine.full_state_dict()
+    try:
+        zero.load(engine, ckpt)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        after = engine.full_state_dict()    # a failed load changes nothing
+        assert all(torch.equal(v, after[k]) for k, v in before.items())
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_bad_checkpoints_give_clear_errors(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    spawn(_consolidate_case, 2, ckpt)
+    d = os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read())
+    r1 = os.path.join(d, "rank_00001.pt")
+    blob = open(r1, "rb").read()
+    msgs = {}
+    msgs["model"] = spawn(_bad_load, 2, ckpt, 16)
+    msgs["path"] = spawn(_bad_load, 1, str(tmp_path), 14)
+    open(r1, "wb").write(blob[:-100])
+    msgs["truncated"] = spawn(_bad_load, 2, ckpt, 14)
+    open(r1, "wb").write(blob[:500] + bytes([blob[500] ^ 1]) + blob[501:])
+    msgs["corrupt"] = spawn(_bad_load, 2, ckpt, 14)
+    os.remove(r1)
+    msgs["missing"] = spawn(_bad_load, 1, ckpt, 14)
+    assert all("another model" in m and "shapes differ" in m for m in msgs["model"]), msgs["model"]
+    assert "not a zero.py checkpoint" in msgs["path"][0]
+    for k in ("truncated", "corrupt"):
+        assert all("truncated or corrupted" in m or "another rank could not load" in m for m in msgs[k]), msgs[k]
+        assert any("rank_00001.pt is truncated or corrupted" in m for m in msgs[k])
+    assert "lacks rank_00001.pt" in msgs["missing"][0]
+    assert open(os.path.join(ckpt, "latest")).read().startswith("step_")   # nothing was overwritten

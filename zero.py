@@ -35,6 +35,7 @@ import json
 import math
 import os
 import queue
+import shutil
 import threading
 import warnings
 import zlib
@@ -793,6 +794,242 @@ def _cast_floats(x, dtype):
     if isinstance(x, dict):
         return {k: _cast_floats(v, dtype) for k, v in x.items()}
     return x
+
+
+# -----------------------------------------------------------------------------
+# 7. Checkpoints
+#
+# path/latest               the name of the newest complete checkpoint, replaced atomically, last
+# path/step_00001000/       one checkpoint: meta.json (layout, config, step, scaler, checksums),
+#                           written after every rank's rank_00000.pt ... (fp32 master and Adam
+#                           moments of the rank's shard of each unit, as slices of the unpadded layout)
+# Every file is written under a temporary name and renamed into place, so a crash at any moment
+# leaves `latest` pointing at the previous checkpoint, whole. Loading slices the flat layout, so a
+# checkpoint loads onto any world size and stage.
+
+FORMAT = "zero.py-checkpoint-1"
+
+
+def _write_atomic(path, write):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _layout(engine):
+    """Every trainable parameter: its unit, offset and shape; every other state_dict entry by name."""
+    aliases = {}
+    for n, p in engine.module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    units = [dict(numel=u.numel, params=[dict(name=n, shape=list(p.shape), offset=o, aliases=aliases[id(p)])
+                                         for n, p, o in zip(u.names, u.params, u.offsets)]) for u in engine.units]
+    return units, list(engine.module.state_dict().keys())
+
+
+def save(engine, path):
+    """Write a sharded checkpoint of `engine` under directory `path` (every rank calls it)."""
+    engine._wait_all_updates()
+    net, rank, world = engine.net, engine.rank, engine.world
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        name = f"step_{engine.step_count:08d}"
+        k = 0
+        while os.path.exists(os.path.join(path, name + (f"_{k}" if k else ""))):
+            k += 1                          # never write into an existing checkpoint
+        name += f"_{k}" if k else ""
+        os.makedirs(os.path.join(path, name))
+    else:
+        name = None
+    name = _broadcast_object(net, name)
+    d = os.path.join(path, name)
+    # this rank's slice [rank*S, (rank+1)*S) of every unit's unpadded layout, whatever the stage
+    shards = []
+    for u in engine.units:
+        size = u.padded // world
+        a, b = rank * size, min((rank + 1) * size, u.numel)
+        lo = a - u.lo                       # where that slice sits in this rank's owned range
+        shards.append({k: getattr(u, k)[lo:lo + max(b - a, 0)].to("cpu", torch.float32).clone()
+                       for k in ("master", "exp_avg", "exp_avg_sq")})
+    blob = dict(units=shards, rng=torch.get_rng_state())
+    if torch.cuda.is_available():
+        blob["cuda_rng"] = torch.cuda.get_rng_state()
+    if rank == 0:                           # buffers and frozen parameters, as the model holds them
+        trained = {id(p) for u in engine.units for p in u.params}
+        blob["extra"] = {k: v.detach().cpu() for k, v in engine.module.state_dict(keep_vars=True).items()
+                         if id(v) not in trained}
+    fname = os.path.join(d, f"rank_{rank:05d}.pt")
+    _write_atomic(fname, lambda f: torch.save(blob, f))
+    sums = _all_gather_object(net, _sha256(fname))
+    if rank == 0:
+        units, keys = _layout(engine)
+        meta = dict(format=FORMAT, world_size=world, stage=engine.cfg.stage, dtype=engine.cfg.dtype,
+                    config=asdict(engine.cfg), step=engine.step_count, scaler=engine.scaler.state_dict(),
+                    units=units, state_dict_keys=keys, sha256={f"rank_{r:05d}.pt": s for r, s in enumerate(sums)})
+        _write_atomic(os.path.join(d, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        _write_atomic(os.path.join(path, "latest"), lambda f: f.write(name.encode()))
+        for old in os.listdir(path):        # older checkpoints go only once the new one is complete
+            if old.startswith("step_") and old != name:
+                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+    _all_gather_object(net, None)           # nobody returns before the checkpoint is whole
+
+
+def _resolve(path):
+    """A checkpoint directory from `path`: the directory itself, or what its `latest` names."""
+    if os.path.isfile(os.path.join(path, "latest")):
+        with open(os.path.join(path, "latest")) as f:
+            path = os.path.join(path, f.read().strip())
+    meta_file = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_file):
+        raise FileNotFoundError(f"zero: {path!r} is not a zero.py checkpoint (no meta.json, no 'latest'); "
+                                "pass the directory given to zero.save")
+    try:
+        with open(meta_file) as f:
+            meta = json.load(f)
+        assert meta.get("format") == FORMAT
+    except (ValueError, AssertionError) as e:
+        raise ValueError(f"zero: {meta_file} is corrupt or of another format; use an earlier checkpoint") from e
+    return path, meta
+
+
+def _open_rank(d, meta, r):
+    """Rank r's file, checked against its checksum, memory-mapped (nothing is read that is not used)."""
+    fname = f"rank_{r:05d}.pt"
+    full = os.path.join(d, fname)
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"zero: checkpoint {d} lacks {fname} (it was saved by {meta['world_size']} ranks); "
+                                "the files were lost or copied in part: copy them all, or use an earlier checkpoint")
+    if _sha256(full) != meta["sha256"][fname]:
+        raise ValueError(f"zero: {full} is truncated or corrupted (its sha256 does not match meta.json); "
+                         "use an earlier checkpoint")
+    return torch.load(full, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _by_name(meta):
+    """name -> (unit, offset, numel, shard size at save time) in the saved layout."""
+    out = {}
+    for i, u in enumerate(meta["units"]):
+        size = -(-u["numel"] // meta["world_size"])
+        for p in u["params"]:
+            out[p["name"]] = (i, p["offset"], math.prod(p["shape"]), size, p["shape"])
+    return out
+
+
+def _read_range(files, meta, saved, start, n, key):
+    """Elements [start, start+n) of a saved parameter, assembled from the rank files that hold them."""
+    i, offset, _, size, _ = saved
+    out, a = [], offset + start
+    while a < offset + start + n:
+        r = a // size
+        b = min(offset + start + n, (r + 1) * size)
+        out.append(files(r)["units"][i][key][a - r * size:b - r * size])
+        a = b
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def load(engine, path):
+    """Restore a checkpoint into `engine` (every rank calls it): its own world size and stage, or any
+    other. Nothing in the engine changes unless every rank read everything it needs."""
+    engine._wait_all_updates()
+    try:
+        d, meta = _resolve(path)
+        saved = _by_name(meta)
+        mine = [(n, tuple(p.shape)) for u in engine.units for n, p in zip(u.names, u.params)]
+        missing = [n for n, _ in mine if n not in saved]
+        extra = [n for n in saved if n not in dict(mine)]
+        shapes = [f"{n} {list(s)} vs {saved[n][4]}" for n, s in mine if n in saved and list(s) != saved[n][4]]
+        if missing or extra or shapes:
+            raise ValueError("zero: the checkpoint is of another model: " + "; ".join(
+                x for x in (f"not in checkpoint: {missing}" if missing else "",
+                            f"not in model: {extra}" if extra else "",
+                            f"shapes differ: {shapes}" if shapes else "") if x))
+        cache = {}
+        files = lambda r: cache[r] if r in cache else cache.setdefault(r, _open_rank(d, meta, r))
+        new = []                            # this rank's new state, kept apart until all ranks succeed
+        for u in engine.units:
+            st = {k: torch.zeros(u.hi - u.lo, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
+            for n, p, o in zip(u.names, u.params, u.offsets):
+                a, b = max(o, u.lo), min(o + p.numel(), u.hi)
+                if a < b:
+                    for k in st:
+                        st[k][a - u.lo:b - u.lo] = _read_range(files, meta, saved[n], a - o, b - a, k)
+            new.append(st)
+        for r in range(meta["world_size"]):
+            files(r)                        # every file is checked, also those this rank needs no slice of
+        rng = files(engine.rank) if meta["world_size"] == engine.world else None
+        error = None
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        error = e
+    failed = _all_gather_object(engine.net, repr(error) if error else None)
+    if error is not None:
+        raise error
+    if any(failed):
+        raise RuntimeError(f"zero: another rank could not load {path}: {[f for f in failed if f][0]}")
+    for u, st in zip(engine.units, new):
+        for k, v in st.items():
+            getattr(u, k).copy_(v)
+        out = engine._param_slice(u)
+        if out is not None:
+            out.copy_(u.master)
+        if engine.cfg.stage in (1, 2):
+            engine.net.all_gather(u.flat, u.flat[u.lo:u.hi], kind="load")
+    engine.step_count = meta["step"]
+    engine.scaler.load_state_dict(meta["scaler"])
+    if rng is not None:                     # the same ranks again: dropout continues its stream
+        torch.set_rng_state(rng["rng"])
+        if "cuda_rng" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda_rng"])
+    extra = files(0)["extra"]
+    with torch.no_grad():
+        for k, v in engine.module.state_dict(keep_vars=True).items():
+            if k in extra:
+                v.copy_(extra[k])
+    return meta
+
+
+def consolidate(path):
+    """A sharded checkpoint as one plain fp32 state_dict that the unwrapped model loads; memory holds
+    the result and the rank files' memory maps, nothing else."""
+    d, meta = _resolve(path)
+    saved = _by_name(meta)
+    cache = {}
+    files = lambda r: cache[r] if r in cache else cache.setdefault(r, _open_rank(d, meta, r))
+    values = {}
+    for u in meta["units"]:
+        for p in u["params"]:
+            t = _read_range(files, meta, saved[p["name"]], 0, math.prod(p["shape"]), "master")
+            t = t.clone().view(p["shape"])
+            for a in p["aliases"]:
+                values[a] = t
+    extra = files(0)["extra"]
+    return {k: values[k] if k in values else (extra[k].float() if extra[k].is_floating_point() else extra[k]).clone()
+            for k in meta["state_dict_keys"]}
+
+
+def _all_gather_object(net, obj):
+    if net.world == 1:
+        return [obj]
+    out = [None] * net.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast_object(net, obj):
+    if net.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # -----------------------------------------------------------------------------

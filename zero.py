@@ -37,6 +37,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 import warnings
 import zlib
 from dataclasses import asdict, dataclass, fields
@@ -213,27 +214,33 @@ class LossScaler:
 # -----------------------------------------------------------------------------
 # 4. AdamW
 
-ADAM_CHUNK = 1 << 16  # elements per pass on the host: grad, master and moments of a chunk stay in L2
+ADAM_CHUNK = 1 << 20  # host elements per pass: the chunk's fp32 gradient and 16-bit write-out stay in cache
 
 
 def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
                grad_mult=1.0, out=None):
-    """AdamW (decoupled weight decay) on 1-D fp32 master/moment tensors, with PyTorch's fused
-    kernel. The gradient may be 16-bit and is multiplied by grad_mult (loss unscale and clip)
-    first; `out`, if given, receives the updated master in its own (16-bit) dtype. On the host
-    it works chunk by chunk, so the fp32 gradient copy and the 16-bit write-out hit the cache."""
+    """AdamW (decoupled weight decay) on 1-D fp32 master/moment tensors with PyTorch's fused
+    kernel (vectorised, multi-threaded, on CPU and CUDA). The gradient may be 16-bit; it is
+    multiplied by grad_mult (loss unscale and clip) inside the kernel. `out`, if given, receives
+    the updated master in its own (16-bit) dtype. On the host it goes chunk by chunk, so the
+    gradient's fp32 copy and the write-out touch cache, not memory."""
     n = master.numel()
     chunk = n if master.is_cuda else ADAM_CHUNK
-    steps = torch.tensor(float(step - 1), device=master.device)  # the kernel increments it to `step`
+    steps = torch.zeros((), device=master.device)   # the kernel increments it to `step`
+    # the kernel divides by grad_scale, as AMP's unscale does
+    inv_mult = torch.full((), 1.0 / grad_mult, device=master.device) if grad_mult != 1.0 else None
+    scratch = None
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        g = grad[a:b].float() if grad.dtype != torch.float32 else grad[a:b]
-        if grad_mult != 1.0:
-            g = g * grad_mult if g.data_ptr() == grad[a:b].data_ptr() else g.mul_(grad_mult)
+        g = grad[a:b]
+        if g.dtype != torch.float32:
+            if scratch is None:
+                scratch = torch.empty(min(chunk, n), device=master.device)
+            g = scratch[:b - a].copy_(g)
         steps.fill_(step - 1)
-        functional_adam([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps],
-                              fused=True, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
-                              beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+        functional_adam([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps], fused=True,
+                        grad_scale=inv_mult, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
+                        beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
         if out is not None:
             out[a:b].copy_(master[a:b])
 
@@ -384,6 +391,7 @@ class Zero:
                     u.module.forward = functools.partial(recompute, u.module.forward, use_reentrant=False)
         self.ledger_reset()
         self.worker = self.worker_error = None
+        self.update_seconds = 0.0           # offload: how long the last host update took
 
     def _check_ranks_agree(self, model):
         """Ranks that disagree on the config or the model would hang in mismatched collectives:
@@ -672,6 +680,7 @@ class Zero:
     def _worker(self):
         while True:
             order, mult = self.jobs.get()
+            t0 = time.perf_counter()
             for i in order:
                 u = self.units[i]
                 try:
@@ -688,6 +697,7 @@ class Zero:
                 except BaseException as e:  # handed to the caller at its next wait
                     self.worker_error = e
                 u.updated.set()
+            self.update_seconds = time.perf_counter() - t0   # the host update's own time, for bench.py
 
     def _wait_update(self, u):
         if not u.updated.wait(self.cfg.timeout_s):

@@ -756,3 +756,25 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
         assert any("rank_00001.pt is truncated or corrupted" in m for m in msgs[k])
     assert "lacks rank_00001.pt" in msgs["missing"][0]
     assert open(os.path.join(ckpt, "latest")).read().startswith("step_")   # nothing was overwritten
+
+
+def test_collectives_start_during_backward():
+    """Stages 0, 2, 3 launch a unit's collective as soon as its gradients are in, while backward
+    still runs through the units before it (stage 1 waits for step())."""
+    for stage in range(4):
+        engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=stage, dtype="fp32"))
+        pending_at_launch = []
+        real = engine._reduce
+
+        def spy(u):
+            pending_at_launch.append(sum(x.arrived == 0 for x in engine.units))
+            return real(u)
+        engine._reduce = spy
+        x, y = make_batches(1, 2)
+        engine.backward(engine(x[0], y[0])["loss"])
+        if stage == 1:
+            assert pending_at_launch == []
+        else:
+            assert len(pending_at_launch) == len(engine.units)
+            assert pending_at_launch[0] >= 3        # the last block's launch: three more still to come
+        engine.step()

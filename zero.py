@@ -82,9 +82,7 @@ class Config:
             bad(f"dtype={self.dtype!r} is not supported", f"use one of {list(DTYPES)}")
         if not (isinstance(self.accum_steps, int) and self.accum_steps >= 1):
             bad(f"accum_steps={self.accum_steps!r}", "use an integer >= 1 (1 = no accumulation)")
-        if isinstance(self.checkpoint, bool) or self.checkpoint is None:
-            pass
-        elif not (isinstance(self.checkpoint, int) and self.checkpoint >= 1):
+        if not isinstance(self.checkpoint, bool) and not (isinstance(self.checkpoint, int) and self.checkpoint >= 1):
             bad(f"checkpoint={self.checkpoint!r}", "use False, True, or an int k >= 1 (every k-th unit)")
         if self.offload and self.stage == 0:
             bad("offload=True needs sharded optimizer states", "use stage 1, 2 or 3 with offload")
@@ -671,8 +669,8 @@ class Zero:
             self.jobs, self.worker_error = queue.Queue(), None
             self.worker = threading.Thread(target=self._worker, daemon=True, name="zero-offload-adam")
             self.worker.start()
-        done = self.fwd_order or self.last_fwd_order
-        order = [i for i in done if i < len(self.units)] + [u.index for u in self.units if u.index not in done]
+        # forward order first (the next forward needs those units first), then any unit it skipped
+        order = list(dict.fromkeys((self.fwd_order or self.last_fwd_order) + [u.index for u in self.units]))
         for i in order:
             self.units[i].updated.clear()
         self.jobs.put((order, mult))

@@ -10,7 +10,6 @@ many cases share one spawn to keep the suite within a few minutes on 2 cores.
 """
 
 import io
-import math
 import multiprocessing as mp
 import os
 import queue

@@ -40,7 +40,7 @@ import threading
 import time
 import warnings
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -335,9 +335,6 @@ class Zero:
 
         # -- which parameter goes to which unit: a parameter used by several units goes to the root
         unit_modules = list(units) if units is not None else find_units(model)
-        names = {}                          # id(param) -> its first name in the model
-        for n, p in model.named_parameters():
-            names.setdefault(id(p), n)
         owners = {}
         for i, m in enumerate(unit_modules):
             for p in m.parameters():
@@ -373,7 +370,6 @@ class Zero:
             self._build(u)
 
         # -- hooks
-        self.n_units = len(self.units)
         for u in self.units:
             for i, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, i))

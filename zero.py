@@ -103,12 +103,14 @@ class Config:
 def init_distributed(timeout_s=300.0):
     """Join the torchrun job described by RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
     cuda = torch.cuda.is_available()
+    # no torchrun: one process, and every collective below is skipped (world size 1)
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)   # before NCCL starts, or every rank talks through GPU 0
+    # the group's own timeout bounds the waits we do not make ourselves (init, barriers, objects)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -133,17 +135,21 @@ class Comm:
         self.ledger = {}
 
     def _log(self, kind, t, ring_factor):
+        # what a ring sends from this rank: each of N-1 hops carries 1/N of the tensor (twice for all-reduce);
+        # units are padded to a multiple of N, so this is exact
         calls, elems, nbytes = self.ledger.get(kind, (0, 0, 0))
         e = t.numel() * ring_factor * (self.world - 1) // self.world
         self.ledger[kind] = (calls + 1, elems + e, nbytes + e * t.element_size())
 
     def wait(self, work):
+        # a bounded wait: a dead or diverged rank becomes an error here, not a hang
         if work is not None and not work.wait(self.timeout):
             raise RuntimeError(f"zero: a collective did not finish in {self.timeout}; another rank died or "
                                "took another code path (raise Config.timeout_s if it is just slow)")
 
     def all_reduce(self, t, op=dist.ReduceOp.SUM, kind="all_reduce", sync=True):
         self._log(kind, t, 2)
+        # async always: callers overlap it with backward, or wait at once (sync=True)
         work = dist.all_reduce(t, op=op, async_op=True) if self.world > 1 else None
         return self.wait(work) if sync else work
 
@@ -188,15 +194,18 @@ class LossScaler:
     def update(self, overflow):
         if not self.enabled:
             return
+        # clean step: count towards doubling, since a scale that never grows wastes fp16's range
         if not overflow:
             self.clean_steps += 1
             if self.clean_steps == self.window:
                 self.scale, self.clean_steps, self.hysteresis_left = self.scale * 2, 0, self.hysteresis
             return
+        # overflow: the step was skipped; a lone overflow (hysteresis) costs no halving, the next ones do
         self.clean_steps = 0
         if self.hysteresis_left > 1:
             self.hysteresis_left -= 1
         elif self.scale <= self.floor:
+            # halving cannot help any more: keep skipping so nothing is corrupted, and say so
             warnings.warn(f"zero: fp16 gradients overflow at the minimum loss scale {self.floor}; the step is "
                           "skipped again. The model produces inf/nan: lower the lr, check the data, or use bf16.")
         else:
@@ -223,6 +232,7 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
     the updated master in its own (16-bit) dtype. On the host it goes chunk by chunk, so the
     gradient's fp32 copy and the write-out touch cache, not memory."""
     n = master.numel()
+    # one launch on a GPU; on the host, memory bandwidth is the limit, so work in cache-sized pieces
     chunk = n if master.is_cuda else ADAM_CHUNK
     steps = torch.zeros((), device=master.device)   # the kernel increments it to `step`
     # the kernel divides by grad_scale, as AMP's unscale does
@@ -231,6 +241,7 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
         g = grad[a:b]
+        # the fused kernel wants the gradient in the master's dtype: convert one chunk at a time
         if g.dtype != torch.float32:
             if scratch is None:
                 scratch = torch.empty(min(chunk, n), device=master.device)
@@ -239,7 +250,7 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
         functional_adam([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps], fused=True,
                         grad_scale=inv_mult, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
                         beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-        if out is not None:
+        if out is not None:             # the 16-bit weights, written while the chunk is still in cache
             out[a:b].copy_(master[a:b])
 
 
@@ -252,6 +263,7 @@ def find_units(model):
     units = []
 
     def visit(module):
+        # depth first, stopping at the first ModuleList on each path, so units never nest
         for child in module.children():
             if isinstance(child, nn.ModuleList):
                 units.extend(child)
@@ -275,6 +287,7 @@ class Unit:
 
     def __init__(self, index, module, named_params, world, rank, stage):
         self.index, self.module = index, module
+        # the layout: parameter i lives at flat[offsets[i] : offsets[i] + numel], in named_parameters order
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.offsets, off = [], 0
@@ -282,10 +295,12 @@ class Unit:
             self.offsets.append(off)
             off += p.numel()
         self.numel = off
+        # padding to a multiple of N gives every rank an equal shard, as the collectives require
         self.padded = -(-off // world) * world
         size = self.padded // world
         self.lo, self.hi = (0, self.padded) if stage == 0 else (rank * size, (rank + 1) * size)
         # owned ranges with and without weight decay (decay on >= 2-dim params only), merged when adjacent
+        # a shard cuts across parameters, so AdamW runs once per run of equal decay inside it
         self.decay_runs = []
         for p, o in zip(self.params, self.offsets):
             a, b = max(o, self.lo), min(o + p.numel(), self.hi)
@@ -305,6 +320,7 @@ class Unit:
         self.updated.set()
 
     def add_run(self, a, b, decay):
+        # adjacent runs with the same decay merge: fewer, longer kernel calls
         if self.decay_runs and self.decay_runs[-1][1] == a and self.decay_runs[-1][2] == decay:
             a = self.decay_runs.pop()[0]
         self.decay_runs.append((a, b, decay))
@@ -330,11 +346,13 @@ class Zero:
         self.peak_gathered_bytes = 0        # stage 3: the most bytes of whole units held at once
         self.last_comm = {}
         self.fwd_order, self.last_fwd_order = [], []
+        # where the shard state (master, moments, gradient shard) lives: the device, or the host with offload
         self.host = torch.device("cpu") if cfg.offload else self.device
         self.pin = cfg.offload and torch.cuda.is_available()  # pinning needs CUDA; same code path without it
 
         # -- which parameter goes to which unit: a parameter used by several units goes to the root
         unit_modules = list(units) if units is not None else find_units(model)
+        # ownership by identity, so a parameter reached under two names (tied weights) counts once
         owners = {}
         for i, m in enumerate(unit_modules):
             for p in m.parameters():
@@ -344,6 +362,7 @@ class Zero:
             raise ValueError("zero.Zero: the model has no trainable parameters (requires_grad=True); "
                              "pass the model you mean to train")
         groups = [[] for _ in unit_modules] + [[]]     # the last group is the root unit
+        # named_parameters() yields each tensor once, under its first name: that name is the one we use
         for n, p in trainable:
             o = owners.get(id(p), set())
             groups[next(iter(o)) if len(o) == 1 else -1].append((n, p))
@@ -353,9 +372,11 @@ class Zero:
             if g:                           # a block with only frozen parameters is no unit
                 self.units.append(Unit(len(self.units), m, g, self.world, self.rank, cfg.stage))
         self.root = self.units[-1] if groups[-1] else None
+        # before the first collective that depends on the layout: mismatched ranks would hang in it
         self._check_ranks_agree(model)
 
         # -- frozen parameters and buffers: cast, move, and take rank 0's values
+        # (they are not model states of the formula: they stay whole on every rank, in the compute dtype)
         for m in model.modules():
             for n, p in m.named_parameters(recurse=False):
                 if not p.requires_grad:
@@ -370,6 +391,8 @@ class Zero:
             self._build(u)
 
         # -- hooks
+        # a gradient hook per parameter (fires once per backward, after autograd summed all its uses);
+        # forward hooks per unit, for stage 3 gathering, offload waits and the forward order
         for u in self.units:
             for i, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, i))
@@ -410,12 +433,16 @@ class Zero:
 
     def _build(self, u):
         cfg, dev = self.cfg, self.device
+        # one whole unit in fp32 at a time: the master weights start from the model's own fp32 values,
+        # not from their 16-bit rounding
         full = torch.zeros(u.padded, dtype=torch.float32, device=dev)
         with torch.no_grad():
             for p, o in zip(u.params, u.offsets):
                 full[o:o + p.numel()].copy_(p.detach().reshape(-1))
         self.net.broadcast(full)           # every rank starts from rank 0's weights
         u.flat = full.to(self.dtype) if self.dtype != torch.float32 else full
+        # re-point each parameter into the flat buffer: the model's code sees ordinary parameters, while
+        # a collective on the flat buffer moves all of them at once
         for p, o in zip(u.params, u.offsets):
             p.data = u.flat[o:o + p.numel()].view(p.shape)
         pin = dict(pin_memory=True) if self.pin else {}
@@ -446,6 +473,7 @@ class Zero:
     def _start_gather(self, u):
         if u.gathered or u.gather_work is not None:
             return
+        # storage back to full size, then the gather writes straight into it: no copy in or out
         u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
         held = sum(x.flat.untyped_storage().nbytes() for x in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
@@ -461,10 +489,12 @@ class Zero:
 
     def _free(self, u):
         assert u.gather_work is None
+        # the memory goes back; the parameters (and autograd's saved references) keep pointing at this storage
         u.flat.untyped_storage().resize_(0)
         u.gathered = False
 
     def _neighbour(self, u, delta, order):
+        # the unit that ran just after (delta=+1) or before (-1) u in a recorded forward: the one to prefetch
         if u.index in order:
             j = order.index(u.index) + delta
             if 0 <= j < len(order):
@@ -481,6 +511,7 @@ class Zero:
             self._wait_update(u)
         if self.cfg.stage == 3:
             self._gather(u)
+            # start the next unit's gather now, so it travels while this unit computes
             nxt = self._neighbour(u, +1, self.last_fwd_order)
             if self.cfg.prefetch and nxt is not None:
                 if self.cfg.offload:
@@ -500,6 +531,7 @@ class Zero:
         self._free(u)
 
     def _pre_backward(self, u):
+        # runs when the gradient of u's output is ready, before any of u's own backward (or its recompute)
         self._gather(u)
         prev = self._neighbour(u, -1, self.fwd_order)
         if self.cfg.prefetch and prev is not None and prev is not self.root:
@@ -508,6 +540,8 @@ class Zero:
     # -- backward: gradients are copied into the unit's flat gradient as they arrive
 
     def _on_grad(self, u, i, p):
+        # autograd's .grad is a fresh tensor per parameter; moving it into the flat gradient at once
+        # keeps one copy, and lets a single collective reduce the whole unit
         if p.grad is None:
             return
         o, n = u.offsets[i], u.params[i].numel()
@@ -521,6 +555,7 @@ class Zero:
                 u.seen.add(i)
         p.grad = None                       # autograd's copy is freed at once
         u.arrived += 1
+        # the unit's last gradient: launch its collective now, while backward goes on to earlier units
         if u.arrived == len(u.params) and self._reduces_now():
             self._reduce(u)
 
@@ -548,13 +583,16 @@ class Zero:
         else:
             work = self.net.reduce_scatter(g[u.lo:u.hi], g, sync=False)
         self.in_flight.append((u, work))
+        # finishing the oldest keeps memory bounded without stalling backward on the newest
         while len(self.in_flight) > 2:
             self._finish_reduce(*self.in_flight.pop(0))
         if self.cfg.stage == 3 and u is not self.root:
-            self._free(u)
+            self._free(u)                   # its backward is done: the parameters are not needed again
 
     def _finish_reduce(self, u, work):
         self.net.wait(work)
+        # the reduced owned slice becomes (or is added to) the gradient shard: on the host with offload,
+        # copied while backward still runs
         if self.cfg.stage >= 2 or self.cfg.offload:
             mine = u.grad[u.lo:u.hi]
             if self.micro == 0 or self.cfg.stage <= 1:
@@ -562,9 +600,10 @@ class Zero:
             else:
                 u.grad_shard.add_(mine.to(u.grad_shard.device))
         if self.cfg.stage >= 2:
-            u.grad, u.seen = None, set()
+            u.grad, u.seen = None, set()    # stages 2-3 keep no whole gradient between micro-batches
 
     def __call__(self, *args, **kwargs):
+        # the parameters are in the compute dtype, so float inputs must be too
         cast = functools.partial(_cast_floats, dtype=self.dtype)
         return self.module(*cast(args), **cast(kwargs))
 
@@ -575,6 +614,7 @@ class Zero:
                                f"Config.accum_steps={self.cfg.accum_steps}")
         self._wait_all_updates()             # no collective of ours may run beside the offload worker's
         self.in_flight = []
+        # fp16: scale the loss up so small gradients survive in 16 bits; step() divides it out
         (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
         if self._reduces_now():
             for u in self.units:            # units with unused parameters, and the root
@@ -583,6 +623,7 @@ class Zero:
         for item in self.in_flight:
             self._finish_reduce(*item)
         self.in_flight = []
+        # stage 3: whatever is still whole (the root, units whose gradients never came) goes now
         for u in self.units:
             u.reduced, u.arrived = False, 0
             if self.cfg.stage == 3 and u.gathered:
@@ -609,6 +650,7 @@ class Zero:
         if self.pin:
             torch.cuda.current_stream().synchronize()   # the gradient shards' copies to the host landed
         # the global norm of the unscaled gradient: one scalar all-reduce; inf or nan means overflow
+        # (padding is zero and counts nothing; fp32 accumulation, as clip_grad_norm_ does)
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for u in self.units:
             sq += torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32).to(self.device) ** 2
@@ -617,7 +659,7 @@ class Zero:
         norm = sq.sqrt().item() / self.scaler.scale
         self.grad_norm = norm
         for u in self.units:
-            u.seen = set()
+            u.seen = set()                  # the next window starts a new accumulation
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
             self.ledger_reset()
@@ -627,6 +669,7 @@ class Zero:
                 f"zero: the gradient norm is {norm} at step {self.step_count + 1} in {cfg.dtype}; nothing was "
                 "updated. The loss or the data produced inf/nan: lower the lr, check the inputs, or use fp16 "
                 "with loss scaling only if the cause is range")
+        # clip_grad_norm_'s rule; unscale and clip are one multiplier, applied inside the Adam kernel
         clip = min(1.0, cfg.grad_clip / (norm + 1e-6)) if cfg.grad_clip > 0 else 1.0
         mult = clip / self.scaler.scale
         self.step_count += 1
@@ -636,6 +679,7 @@ class Zero:
         else:
             for u in self.units:
                 self._update(u, mult, self._param_slice(u))
+            # stages 1-2 keep whole parameters: every rank's updated slice goes to every rank, in place
             if cfg.stage in (1, 2):
                 works = [self.net.all_gather(u.flat, u.flat[u.lo:u.hi], sync=False) for u in self.units]
                 for w in works:
@@ -694,6 +738,7 @@ class Zero:
             self.update_seconds = time.perf_counter() - t0   # the host update's own time, for bench.py
 
     def _wait_update(self, u):
+        # a bounded wait, and a failure in the worker is raised here, in the caller's thread
         if not u.updated.wait(self.cfg.timeout_s):
             raise RuntimeError("zero: the offload worker did not finish a unit in time")
         if self.worker_error is not None:
@@ -721,7 +766,7 @@ class Zero:
         """Bytes of model state this rank really holds, by kind, on the device and on the host,
         counted from the tensors' storages (each storage once)."""
         out = {w: dict(params=0, grads=0, master=0, optim=0) for w in ("device", "host")}
-        seen = set()
+        seen = set()                        # views share storage (stage 1's shard, fp32 masters): count once
 
         def add(t, kind, where):
             if t is None:
@@ -750,6 +795,7 @@ class Zero:
         """The whole model as a plain fp32 state_dict, on every rank (a collective): one unit's
         master weights are gathered at a time, so memory never holds more than the result and one unit."""
         self._wait_all_updates()
+        # keys and order from the model's own state_dict: tied names, buffers and frozen params included
         values = {}
         for u in self.units:
             full = self._gather_master(u)
@@ -766,6 +812,7 @@ class Zero:
         return sd
 
     def _gather_master(self, u):
+        # fp32 master weights, not the 16-bit parameters: the state_dict keeps full precision
         if self.cfg.stage == 0:
             return u.master.to(self.device, torch.float32)
         full = torch.empty(u.padded, dtype=torch.float32, device=self.device)
@@ -774,12 +821,14 @@ class Zero:
 
 
 def _engine_device():
+    # the device init_distributed set for this rank (or the CPU)
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _tensors(x):
+    # every tensor in a module's output: a tensor, or tuples, lists and dicts of them
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (tuple, list)):
@@ -791,6 +840,7 @@ def _tensors(x):
 
 
 def _cast_floats(x, dtype):
+    # float tensors anywhere in the arguments to the compute dtype; token ids and masks stay as they are
     if isinstance(x, torch.Tensor):
         return x.to(dtype) if x.is_floating_point() else x
     if isinstance(x, (tuple, list)):
@@ -815,6 +865,8 @@ FORMAT = "zero.py-checkpoint-1"
 
 
 def _write_atomic(path, write):
+    # a reader sees the old file or the new one, never half of one: rename is atomic within a filesystem,
+    # and fsync first makes sure the bytes are on disk before the name points at them
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         write(f)
@@ -833,6 +885,7 @@ def _sha256(path):
 
 def _layout(engine):
     """Every trainable parameter: its unit, offset and shape; every other state_dict entry by name."""
+    # all names of each tensor, so a tied weight comes back under each of its state_dict keys
     aliases = {}
     for n, p in engine.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
@@ -843,8 +896,9 @@ def _layout(engine):
 
 def save(engine, path):
     """Write a sharded checkpoint of `engine` under directory `path` (every rank calls it)."""
-    engine._wait_all_updates()
+    engine._wait_all_updates()              # offload: the shard state must be this step's
     net, rank, world = engine.net, engine.rank, engine.world
+    # rank 0 picks a fresh directory and tells the others: a save never writes into a complete checkpoint
     if rank == 0:
         os.makedirs(path, exist_ok=True)
         name = f"step_{engine.step_count:08d}"
@@ -858,6 +912,8 @@ def save(engine, path):
     name = _broadcast_object(net, name)
     d = os.path.join(path, name)
     # this rank's slice [rank*S, (rank+1)*S) of every unit's unpadded layout, whatever the stage
+    # the same layout whatever the stage (stage 0 owns everything but saves only its slice), so that any
+    # run can find element i of a unit in file i // S
     shards = []
     for u in engine.units:
         size = u.padded // world
@@ -865,6 +921,7 @@ def save(engine, path):
         lo = a - u.lo                       # where that slice sits in this rank's owned range
         shards.append({k: getattr(u, k)[lo:lo + max(b - a, 0)].to("cpu", torch.float32).clone()
                        for k in ("master", "exp_avg", "exp_avg_sq")})
+    # each rank's RNG too: dropout continues the same stream after a resume on the same ranks
     blob = dict(units=shards, rng=torch.get_rng_state())
     if torch.cuda.is_available():
         blob["cuda_rng"] = torch.cuda.get_rng_state()
@@ -874,6 +931,7 @@ def save(engine, path):
                          if id(v) not in trained}
     fname = os.path.join(d, f"rank_{rank:05d}.pt")
     _write_atomic(fname, lambda f: torch.save(blob, f))
+    # meta.json records every file's checksum, so it can only be written once every rank has written
     sums = _all_gather_object(net, _sha256(fname))
     if rank == 0:
         units, keys = _layout(engine)
@@ -881,6 +939,7 @@ def save(engine, path):
                     config=asdict(engine.cfg), step=engine.step_count, scaler=engine.scaler.state_dict(),
                     units=units, state_dict_keys=keys, sha256={f"rank_{r:05d}.pt": s for r, s in enumerate(sums)})
         _write_atomic(os.path.join(d, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        # the commit point: until this rename, `latest` names the previous checkpoint, which is whole
         _write_atomic(os.path.join(path, "latest"), lambda f: f.write(name.encode()))
         for old in os.listdir(path):        # older checkpoints go only once the new one is complete
             if old.startswith("step_") and old != name:
@@ -910,12 +969,14 @@ def _open_rank(d, meta, r):
     """Rank r's file, checked against its checksum, memory-mapped (nothing is read that is not used)."""
     fname = f"rank_{r:05d}.pt"
     full = os.path.join(d, fname)
+    # each failure names the file, what is wrong with it, and what to do
     if not os.path.isfile(full):
         raise FileNotFoundError(f"zero: checkpoint {d} lacks {fname} (it was saved by {meta['world_size']} ranks); "
                                 "the files were lost or copied in part: copy them all, or use an earlier checkpoint")
     if _sha256(full) != meta["sha256"][fname]:
         raise ValueError(f"zero: {full} is truncated or corrupted (its sha256 does not match meta.json); "
                          "use an earlier checkpoint")
+    # weights_only: a checkpoint is data, never code; mmap: only the slices we index are read
     return torch.load(full, map_location="cpu", weights_only=True, mmap=True)
 
 
@@ -932,6 +993,7 @@ def _by_name(meta):
 def _read_range(files, meta, saved, start, n, key):
     """Elements [start, start+n) of a saved parameter, assembled from the rank files that hold them."""
     i, offset, _, size, _ = saved
+    # walk the saved unit's layout from file to file: element e of the unit is in file e // size
     out, a = [], offset + start
     while a < offset + start + n:
         r = a // size
@@ -945,6 +1007,8 @@ def load(engine, path):
     """Restore a checkpoint into `engine` (every rank calls it): its own world size and stage, or any
     other. Nothing in the engine changes unless every rank read everything it needs."""
     engine._wait_all_updates()
+    # phase 1, on every rank: check everything and read this rank's new state into fresh tensors;
+    # any failure is caught, so that all ranks learn of it below instead of hanging
     try:
         d, meta = _resolve(path)
         saved = _by_name(meta)
@@ -960,6 +1024,7 @@ def load(engine, path):
         cache = {}
         files = lambda r: cache[r] if r in cache else cache.setdefault(r, _open_rank(d, meta, r))
         new = []                            # this rank's new state, kept apart until all ranks succeed
+        # by name, not by unit: a parameter may sit in another unit, offset or shard than when saved
         for u in engine.units:
             st = {k: torch.zeros(u.hi - u.lo, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
             for n, p, o in zip(u.names, u.params, u.offsets):
@@ -974,11 +1039,13 @@ def load(engine, path):
         error = None
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         error = e
+    # phase 2: every rank learns whether every rank succeeded; only then is the engine touched
     failed = _all_gather_object(engine.net, repr(error) if error else None)
     if error is not None:
         raise error
     if any(failed):
         raise RuntimeError(f"zero: another rank could not load {path}: {[f for f in failed if f][0]}")
+    # phase 3: the shard state in place, then the 16-bit parameters rebuilt from it, as step() does
     for u, st in zip(engine.units, new):
         for k, v in st.items():
             getattr(u, k).copy_(v)
@@ -1008,6 +1075,7 @@ def consolidate(path):
     saved = _by_name(meta)
     cache = {}
     files = lambda r: cache[r] if r in cache else cache.setdefault(r, _open_rank(d, meta, r))
+    # parameter by parameter: each is assembled from its slices in the rank files and cloned out
     values = {}
     for u in meta["units"]:
         for p in u["params"]:
@@ -1021,6 +1089,7 @@ def consolidate(path):
 
 
 def _all_gather_object(net, obj):
+    # small Python objects between ranks (checksums, error messages); world size 1 needs no group
     if net.world == 1:
         return [obj]
     out = [None] * net.world
@@ -1045,11 +1114,14 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False):
     if dtype not in DTYPES:
         raise ValueError(f"estimate_memory: dtype={dtype!r}; use one of {list(DTYPES)}")
     psi, n = num_params, world_size
+    # bytes per parameter: p for the 16-bit (or fp32) params and grads, 4 for the master, 4+4 for Adam
     p = DTYPES[dtype].itemsize
     master = 0 if dtype == "fp32" and not offload else 4
+    # each stage divides one more kind by N: 1 the optimizer states, 2 the gradients, 3 the parameters
     dev = dict(params=p * psi / (n if stage >= 3 else 1), grads=p * psi / (n if stage >= 2 else 1),
                master=master * psi / (n if stage >= 1 else 1), optim=8 * psi / (n if stage >= 1 else 1))
     host = dict(params=0, grads=0, master=0, optim=0)
+    # offload moves the gradient shard, master and moments to the host; stage 1 still keeps whole grads
     if offload:
         host.update(grads=p * psi / n, master=dev["master"], optim=dev["optim"])
         dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else 0)

@@ -99,6 +99,11 @@ class Config:
 
 # -----------------------------------------------------------------------------
 # 2. Distributed setup and collectives
+#
+# Three collectives carry all of ZeRO: all-reduce (stage 0's gradients), reduce-scatter (a gradient
+# summed over ranks, each rank keeping its slice) and all-gather (each rank's slice of the parameters
+# to every rank). All three act on one flat buffer per unit, so there is one call per unit, not per
+# parameter. With one process they turn into copies (or nothing), so the same code runs.
 
 def init_distributed(timeout_s=300.0):
     """Join the torchrun job described by RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
@@ -180,6 +185,10 @@ class Comm:
 
 # -----------------------------------------------------------------------------
 # 3. Loss scaler
+#
+# fp16 keeps 5 exponent bits: gradients under ~6e-8 flush to zero. Multiplying the loss by a large
+# scale lifts them into range; a too-large scale overflows to inf, which the step detects (the
+# gradient norm is not finite), skips, and answers with a smaller scale.
 
 class LossScaler:
     """Dynamic loss scale for fp16 (DeepSpeed's rule): double after `window` clean steps;
@@ -220,6 +229,11 @@ class LossScaler:
 
 # -----------------------------------------------------------------------------
 # 4. AdamW
+#
+# The update runs on this rank's fp32 slice only: master weights, exp_avg and exp_avg_sq, 12 bytes
+# per parameter (the K of the paper). PyTorch's fused AdamW kernel does the whole update in one pass
+# per tensor, on CPU and CUDA; the same function serves the device and the offload worker, so offload
+# changes where the update runs, not what it computes.
 
 ADAM_CHUNK = 1 << 20  # host elements per pass: the chunk's fp32 gradient and 16-bit write-out stay in cache
 
@@ -256,6 +270,10 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
 
 # -----------------------------------------------------------------------------
 # 5. Units and flat buffers
+#
+# A unit is the grain of every collective and of stage 3's gathering: small enough that holding one
+# or two whole units costs little, large enough that each call moves many bytes. The default, one
+# unit per transformer block plus a root for the rest, is what FSDP users wrap by hand.
 
 def find_units(model):
     """Default units: every element of each outermost nn.ModuleList (a transformer block).
@@ -328,6 +346,20 @@ class Unit:
 
 # -----------------------------------------------------------------------------
 # 6. Engine
+#
+# What each stage keeps whole, and the model states it leaves per rank (Ψ params, N ranks, 16-bit
+# compute with K = 12 bytes of fp32 Adam state per parameter):
+#
+#   stage  parameters              gradients                         master + Adam   bytes per rank
+#   0      whole                   whole, all-reduced in backward    whole           (2 + 2 + K) Ψ
+#   1      whole                   whole, reduce-scattered at step   sharded         4Ψ + KΨ/N
+#   2      whole                   reduce-scattered in backward      sharded         2Ψ + (2 + K)Ψ/N
+#   3      gathered per unit       reduce-scattered in backward      sharded         (2 + 2 + K)Ψ/N
+#
+# One step: forward (stage 3 gathers each unit before it runs and frees it after) -> backward
+# (each unit's gradient is reduced as soon as it is complete; stage 3 gathers again first) ->
+# step (global norm, overflow check, clip, AdamW on the owned slice, 16-bit slice rewritten,
+# stages 1-2 all-gather it). Every stage difference in the code below is an `if` on cfg.stage.
 
 class Zero:
     """Wraps a model: shards it in place into units, hooks its forward and backward, and
@@ -1107,6 +1139,9 @@ def _broadcast_object(net, obj):
 
 # -----------------------------------------------------------------------------
 # 8. Memory estimator and the command line
+#
+# The paper's formula, in the same kinds as Zero.memory(): a test holds the two equal on a real model,
+# and `python zero.py estimate` prints the paper's 7.5B-parameter, 64-GPU example.
 
 def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False):
     """The ZeRO paper's model-state bytes per rank: params and grads in the compute dtype,

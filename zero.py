@@ -748,6 +748,8 @@ class Zero:
         self.jobs.put((order, mult))
 
     def _worker(self):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)   # the current GPU is per thread
         while True:
             order, mult = self.jobs.get()
             t0 = time.perf_counter()

@@ -183,6 +183,10 @@ def train(rank, world, cfg, steps, batch, model_kw=None, inject_inf=None):
         losses.append(t.item() / world)
         oks.append(engine.step())
         norms.append(engine.grad_norm)
+        if world > 1:   # a collective of the caller's right after step(): every rank agrees on the norm
+            every = [None] * world
+            dist.all_gather_object(every, engine.grad_norm)
+            assert len(set(every)) == 1, every
     return dict(losses=losses, norms=norms, oks=oks, sd=engine.full_state_dict(), mem=engine.memory(),
                 comm=engine.comm(), psi=engine.num_params(), psi_padded=engine.num_params(padded=True),
                 root=engine.root.padded if engine.root else 0, scale=engine.loss_scale,
@@ -777,3 +781,14 @@ def test_collectives_start_during_backward():
             assert len(pending_at_launch) == len(engine.units)
             assert pending_at_launch[0] >= 3        # the last block's launch: three more still to come
         engine.step()
+
+
+def test_offload_process_exits_cleanly_right_after_step():
+    """The update thread may still be running when the script ends: the process must exit 0."""
+    code = ("import torch, zero, test_zero as T; torch.set_num_threads(1)\n"
+            "e = zero.Zero(T.make_model(n_blocks=6, d=64, h=256), zero.Config(stage=2, offload=True))\n"
+            "x, y = T.make_batches(1, 4)\n"
+            "e.backward(e(x[0], y[0])['loss']); e.step()\n")
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]

@@ -28,6 +28,7 @@ Sections, in the order data flows:
 """
 
 import argparse
+import atexit
 import datetime
 import functools
 import hashlib
@@ -235,37 +236,23 @@ class LossScaler:
 # per tensor, on CPU and CUDA; the same function serves the device and the offload worker, so offload
 # changes where the update runs, not what it computes.
 
-ADAM_CHUNK = 1 << 20  # host elements per pass: the chunk's fp32 gradient and 16-bit write-out stay in cache
-
-
 def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
                grad_mult=1.0, out=None):
     """AdamW (decoupled weight decay) on 1-D fp32 master/moment tensors with PyTorch's fused
-    kernel (vectorised, multi-threaded, on CPU and CUDA). The gradient may be 16-bit; it is
-    multiplied by grad_mult (loss unscale and clip) inside the kernel. `out`, if given, receives
-    the updated master in its own (16-bit) dtype. On the host it goes chunk by chunk, so the
-    gradient's fp32 copy and the write-out touch cache, not memory."""
-    n = master.numel()
-    # one launch on a GPU; on the host, memory bandwidth is the limit, so work in cache-sized pieces
-    chunk = n if master.is_cuda else ADAM_CHUNK
-    steps = torch.zeros((), device=master.device)   # the kernel increments it to `step`
+    kernel (vectorised, multi-threaded, on CPU and CUDA). A 16-bit gradient is converted first;
+    grad_mult (loss unscale and clip) is applied inside the kernel. `out`, if given, receives the
+    updated master in its own (16-bit) dtype."""
+    # one kernel call over the whole range: splitting it into cache-sized chunks was measured slower on
+    # a busy CPU, where every parallel region waits for its slowest thread
+    g = grad if grad.dtype == torch.float32 else grad.float()
+    steps = torch.full((), float(step - 1), device=master.device)   # the kernel increments it to `step`
     # the kernel divides by grad_scale, as AMP's unscale does
     inv_mult = torch.full((), 1.0 / grad_mult, device=master.device) if grad_mult != 1.0 else None
-    scratch = None
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        g = grad[a:b]
-        # the fused kernel wants the gradient in the master's dtype: convert one chunk at a time
-        if g.dtype != torch.float32:
-            if scratch is None:
-                scratch = torch.empty(min(chunk, n), device=master.device)
-            g = scratch[:b - a].copy_(g)
-        steps.fill_(step - 1)
-        functional_adam([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps], fused=True,
-                        grad_scale=inv_mult, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
-                        beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-        if out is not None:             # the 16-bit weights, written while the chunk is still in cache
-            out[a:b].copy_(master[a:b])
+    functional_adam([master], [g], [exp_avg], [exp_avg_sq], [], [steps], fused=True, grad_scale=inv_mult,
+                    decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                    weight_decay=weight_decay, eps=eps, maximize=False)
+    if out is not None:
+        out.copy_(master)
 
 
 # -----------------------------------------------------------------------------
@@ -497,7 +484,9 @@ class Zero:
             u.grad = torch.zeros(u.padded, dtype=self.dtype, device=dev)
             u.grad_shard = u.grad[u.lo:u.hi]
         if cfg.stage >= 2 or cfg.offload:
-            u.grad_shard = torch.zeros(u.hi - u.lo, dtype=self.dtype, device=self.host, **pin)
+            # offload keeps it in fp32: converted as it arrives during backward, not in the update's path
+            gdt = torch.float32 if cfg.offload else self.dtype
+            u.grad_shard = torch.zeros(u.hi - u.lo, dtype=gdt, device=self.host, **pin)
         del full
 
     # -- stage 3 gathering: the flat buffer's storage is resized, the parameter views stay valid
@@ -505,11 +494,14 @@ class Zero:
     def _start_gather(self, u):
         if u.gathered or u.gather_work is not None:
             return
-        # storage back to full size, then the gather writes straight into it: no copy in or out
-        u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-        held = sum(x.flat.untyped_storage().nbytes() for x in self.units)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
-        u.gather_work = self.net.all_gather(u.flat, u.shard, sync=False)
+        if self.cfg.stage == 3:
+            # storage back to full size, then the gather writes straight into it: no copy in or out
+            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+            held = sum(x.flat.untyped_storage().nbytes() for x in self.units)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
+        # stage 3 gathers from its shard; offload at stages 1-2 from the freshly updated owned slice
+        src = u.shard if self.cfg.stage == 3 else u.flat[u.lo:u.hi]
+        u.gather_work = self.net.all_gather(u.flat, src, sync=False)
         if u.gather_work is None:
             u.gathered = True
 
@@ -541,18 +533,17 @@ class Zero:
         self.fwd_order.append(u.index)
         if self.cfg.offload:
             self._wait_update(u)
-        if self.cfg.stage == 3:
+        if self.cfg.stage == 3 or self.cfg.offload:
             self._gather(u)
-            # start the next unit's gather now, so it travels while this unit computes
+            # start the next unit's gather now, so it travels while this unit computes (with offload,
+            # only if the worker is done with it: waiting here would undo the overlap)
             nxt = self._neighbour(u, +1, self.last_fwd_order)
-            if self.cfg.prefetch and nxt is not None:
-                if self.cfg.offload:
-                    self._wait_update(nxt)
+            if self.cfg.prefetch and nxt is not None and nxt.updated.is_set():
                 self._start_gather(nxt)
 
     def _post_forward(self, u, module, args, output):
         if self.cfg.stage != 3:
-            return
+            return                          # stages 0-2 keep whole parameters
         if torch.is_grad_enabled():
             # gather again just before this unit's backward (and its recompute, if any)
             for t in _tensors(output):
@@ -644,7 +635,7 @@ class Zero:
         if self.micro >= self.cfg.accum_steps:
             raise RuntimeError(f"zero: backward() called {self.micro + 1} times without step(); "
                                f"Config.accum_steps={self.cfg.accum_steps}")
-        self._wait_all_updates()             # no collective of ours may run beside the offload worker's
+        self._settle()                      # units the forward skipped are made current too
         self.in_flight = []
         # fp16: scale the loss up so small gradients survive in 16 bits; step() divides it out
         (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
@@ -678,7 +669,7 @@ class Zero:
                 self._reduce(u)
             for item in self.in_flight:
                 self._finish_reduce(*item)
-        self._wait_all_updates()
+        self._settle()
         if self.pin:
             torch.cuda.current_stream().synchronize()   # the gradient shards' copies to the host landed
         # the global norm of the unscaled gradient: one scalar all-reduce; inf or nan means overflow
@@ -741,10 +732,14 @@ class Zero:
             self.jobs, self.worker_error = queue.Queue(), None
             self.worker = threading.Thread(target=self._worker, daemon=True, name="zero-offload-adam")
             self.worker.start()
+            # a daemon thread killed inside a kernel at exit aborts the process: let it finish first
+            atexit.register(lambda: [u.updated.wait(self.cfg.timeout_s) for u in self.units])
         # forward order first (the next forward needs those units first), then any unit it skipped
         order = list(dict.fromkeys((self.fwd_order or self.last_fwd_order) + [u.index for u in self.units]))
         for i in order:
             self.units[i].updated.clear()
+            if self.cfg.stage in (1, 2):
+                self.units[i].gathered = False   # the other ranks' slices are last step's until gathered
         self.jobs.put((order, mult))
 
     def _worker(self):
@@ -762,10 +757,8 @@ class Zero:
                         dest.copy_(u.staging, non_blocking=True)
                     else:
                         self._update(u, mult, dest)
-                    if self.cfg.stage in (1, 2):
-                        # every rank's worker gathers in the same unit order; the main thread issues no
-                        # collective until all updates are done (backward and step wait for them)
-                        self.net.all_gather(u.flat, u.flat[u.lo:u.hi])
+                    # no collective here: the caller's thread gathers, in its forward, so the order of
+                    # collectives is the program's own on every rank
                 except BaseException as e:  # handed to the caller at its next wait
                     self.worker_error = e
                 u.updated.set()
@@ -779,9 +772,13 @@ class Zero:
             err, self.worker_error = self.worker_error, None
             raise RuntimeError("zero: the offload update failed") from err
 
-    def _wait_all_updates(self):
+    def _settle(self):
+        """Every unit's update done and (stages 1-2 with offload) gathered: the state is this step's."""
         for u in self.units:
             self._wait_update(u)
+        if self.cfg.offload and self.cfg.stage in (1, 2):
+            for u in self.units:
+                self._gather(u)
 
     # -- what the engine tells its user
 
@@ -828,7 +825,7 @@ class Zero:
     def full_state_dict(self):
         """The whole model as a plain fp32 state_dict, on every rank (a collective): one unit's
         master weights are gathered at a time, so memory never holds more than the result and one unit."""
-        self._wait_all_updates()
+        self._settle()
         # keys and order from the model's own state_dict: tied names, buffers and frozen params included
         values = {}
         for u in self.units:
@@ -930,7 +927,7 @@ def _layout(engine):
 
 def save(engine, path):
     """Write a sharded checkpoint of `engine` under directory `path` (every rank calls it)."""
-    engine._wait_all_updates()              # offload: the shard state must be this step's
+    engine._settle()              # offload: the shard state must be this step's
     net, rank, world = engine.net, engine.rank, engine.world
     # rank 0 picks a fresh directory and tells the others: a save never writes into a complete checkpoint
     if rank == 0:
@@ -1040,7 +1037,7 @@ def _read_range(files, meta, saved, start, n, key):
 def load(engine, path):
     """Restore a checkpoint into `engine` (every rank calls it): its own world size and stage, or any
     other. Nothing in the engine changes unless every rank read everything it needs."""
-    engine._wait_all_updates()
+    engine._settle()
     # phase 1, on every rank: check everything and read this rank's new state into fresh tensors;
     # any failure is caught, so that all ranks learn of it below instead of hanging
     try:
@@ -1158,9 +1155,10 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False):
     dev = dict(params=p * psi / (n if stage >= 3 else 1), grads=p * psi / (n if stage >= 2 else 1),
                master=master * psi / (n if stage >= 1 else 1), optim=8 * psi / (n if stage >= 1 else 1))
     host = dict(params=0, grads=0, master=0, optim=0)
-    # offload moves the gradient shard, master and moments to the host; stage 1 still keeps whole grads
+    # offload moves the gradient shard (as fp32), master and moments to the host; stage 1 still keeps
+    # its whole gradient on the device
     if offload:
-        host.update(grads=p * psi / n, master=dev["master"], optim=dev["optim"])
+        host.update(grads=4 * psi / n, master=dev["master"], optim=dev["optim"])
         dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else 0)
     r = lambda d: {k: int(round(v)) for k, v in d.items()}
     return dict(device=r(dev), host=r(host))

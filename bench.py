@@ -1,0 +1,547 @@
+"""bench.py — memory, communication and speed of zero.py next to PyTorch's own.
+
+Users choose a sharding library by three numbers: memory per GPU, speed and
+communication. This script measures the three for zero.py's stages 0-3 and for
+PyTorch's peers on the GPT of train_gpt.py and the same training step (AdamW,
+grad clip 1.0): DDP + AdamW, DDP + ZeroRedundancyOptimizer and FSDP2
+(`fully_shard` per block). It prints markdown tables for the README:
+
+  1. model-state memory per rank: engine.memory() vs zero.estimate_memory vs the
+     peers' tensors, and the ZeRO paper's formula at 7.5B and 1T parameters;
+  2. communication per step and rank (engine.comm()) vs 2Ψ(N-1)/N and 3Ψ(N-1)/N;
+  3. throughput at 2 gloo ranks, as ratios against the peers, with our targets;
+  4. CPU AdamW params/s, activation memory with and without recompute, and how
+     much of the host update offload hides behind the next forward;
+  5. on a GPU only: tokens/s and MFU per stage, and the largest preset that trains.
+
+A shared machine drifts by more than the differences we look for, so every
+variant is warmed up, then all of them run in interleaved rounds (in a rotating
+order) and each ratio is the median of per-round ratios. Only ratios from one
+run are claims; absolute numbers come with the hardware line printed first.
+
+    python bench.py            # the full run (about 10 minutes on 2 CPU cores)
+    python bench.py --quick    # a reduced smoke run, under a minute
+"""
+import argparse, datetime, importlib.util, os, platform, queue, socket, statistics, time, traceback
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train_gpt
+try:
+    import zero
+except Exception as e:  # the peers are still measured without it
+    zero, ZERO_ERR = None, f"{type(e).__name__}: {e}"
+
+MB, GB = 1e6, 1e9
+VOCAB = 256  # train_gpt's default data is bytes
+OPT = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # the same AdamW everywhere
+KINDS = ("params", "grads", "master", "optim")
+# (ours, baseline, ratio to reach): tokens/s of ours over the baseline's, same dtype, same run
+TARGETS = [("zero0", "ddp", 1.0), ("zero1", "zero-opt", 1.0), ("zero2", "ddp", 0.95), ("zero3", "fsdp2", 1.1)]
+
+
+# --------------------------------------------------------------------------- model, data, bytes
+def make_gpt(preset, **shape):
+    """train_gpt's GPT from a preset; n_layer/n_head/n_embd/block_size override its shape."""
+    torch.manual_seed(0)  # every variant starts from the same weights
+    dims = dict(zip(("n_layer", "n_head", "n_embd", "block_size"), train_gpt.PRESETS[preset]))
+    return train_gpt.GPT(VOCAB, **{**dims, **shape})
+
+
+def batch(model, B, rank):
+    g = torch.Generator().manual_seed(rank)  # each rank its own batch, the same every step
+    xy = torch.randint(0, VOCAB, (B, model.block_size + 1), generator=g)
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+
+
+def numel(model):
+    return sum(p.numel() for p in model.parameters())  # the tied head counts once
+
+
+def storage_bytes(tensors, seen):
+    """Bytes of the storages behind `tensors` not yet in `seen` (views share one storage)."""
+    n = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            n += s.nbytes()
+    return n
+
+
+def peer_held(model, opt):
+    """What a PyTorch peer holds, in the engine's kinds: its fp32 params are its master."""
+    opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's AdamW in .optim
+    seen, ps = set(), list(model.parameters())
+    states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return dict(params=storage_bytes(ps, seen), grads=storage_bytes([p.grad for p in ps if p.grad is not None], seen),
+                master=0, optim=storage_bytes(states, seen))
+
+
+# --------------------------------------------------------------------------- the variants
+def stage_of(name):
+    """zero.py's variants are zero0 .. zero3, with "+off" for offload; the peers are ddp, zero-opt, fsdp2."""
+    return int(name[4]) if name[:4] == "zero" and name[4:5].isdigit() else None
+
+
+def build(name, dtype, model, world):
+    """One way to train `model`: (step(x, y), held() -> (device, host) bytes by kind, comm or None)."""
+    if stage_of(name) is not None:
+        if zero is None:
+            raise RuntimeError(f"import zero failed: {ZERO_ERR}")
+        eng = zero.Zero(model, zero.Config(stage=stage_of(name), dtype=dtype, offload=name.endswith("+off"), **OPT))
+
+        def step(x, y):
+            eng.backward(eng(x, y))
+            eng.step()
+        return step, lambda: (eng.memory()["device"], eng.memory()["host"]), eng.comm
+    amp = torch.autocast("cpu", torch.bfloat16) if dtype == "bf16" else nullcontext()
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        mpp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bf16" else MixedPrecisionPolicy()
+        for b in model.blocks:  # the same units as zero.py's
+            fully_shard(b, mesh=mesh, mp_policy=mpp)
+        fully_shard(model, mesh=mesh, mp_policy=mpp)
+        opt, amp = torch.optim.AdamW(model.parameters(), fused=True, **OPT), nullcontext()
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, gradient_as_bucket_view=True)  # grads live in DDP's buckets: no second copy
+        if name == "ddp":
+            opt = torch.optim.AdamW(model.parameters(), fused=True, **OPT)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, fused=True, **OPT)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)  # first, so that held() after a step sees the grads
+        with amp:
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return step, lambda: (peer_held(model, opt), {}), None
+
+
+# --------------------------------------------------------------------------- 2-rank jobs
+def _rank_main(fn, rank, world, port, q, args):
+    # CPU ranks even on a GPU machine: zero.init_distributed then picks gloo, and the tables compare like with like
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")
+    torch.set_num_threads(1)  # one core per rank
+    try:
+        if zero is not None:
+            zero.init_distributed(timeout_s=120)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        out = fn(rank, world, *args)
+        if rank == 0:
+            q.put(("ok", out))
+        dist.barrier()
+    except BaseException:
+        q.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+    q.close()
+    q.join_thread()
+    os._exit(0)  # skip gloo's teardown, which now and then aborts at exit
+
+
+def spawn(fn, world, args, timeout):
+    """fn(rank, world, *args) on `world` gloo processes on 127.0.0.1 -> rank 0's result, or raise."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # a free port
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_rank_main, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
+    for p in ps:
+        p.start()
+    try:
+        status, out = q.get(timeout=timeout)
+    except queue.Empty:
+        status, out = "error", f"no result within {timeout} s: a hang"
+    for p in ps:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    if status != "ok":
+        raise RuntimeError(out)
+    return out
+
+
+def agreed(fn, *a):
+    """(fn(*a), None) or (None, error); the ranks agree, so that one failing variant skips on all."""
+    try:
+        out, err = fn(*a), None
+    except Exception as e:
+        out, err = None, f"{type(e).__name__}: {e}".splitlines()[0][:160]
+    errs = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    err = next((e for e in errs if e), None)
+    return (None, err) if err else (out, None)
+
+
+def dist_job(rank, world, o):
+    """Memory and traffic of one step of each variant, then interleaved throughput rounds."""
+    res = {"mem": {}, "comm": {}, "tput": {}, "errors": {}}
+    for name, dtype in o["mem_variants"]:
+        def one():
+            model = make_gpt(o["mem_preset"])
+            step, held, comm = build(name, dtype, model, world)
+            xy = batch(model, 1, rank)
+            for _ in range(2):  # the second step shows the steady state
+                step(*xy)
+            out = held(), comm() if comm else None
+            with torch.no_grad():  # offload: waits for the update thread's all-gathers before our next
+                model(*xy)         # collective, which would otherwise race with them (a zero.py bug)
+            return out
+        r, err = agreed(one)
+        res["mem"][name, dtype] = err or r[0]
+        if r and r[1]:
+            res["comm"][name, dtype] = r[1]
+    runs = {}
+    for name, dtype in o["tput_variants"]:
+        model = make_gpt(o["tput_preset"], n_embd=o["tput_embd"])
+        xy = batch(model, o["B"], rank)
+        r, err = agreed(build, name, dtype, model, world)
+        if not err:
+            _, err = agreed(lambda: [r[0](*xy) for _ in range(o["warmup"])])
+        if err:
+            res["errors"][name, dtype] = err
+        else:
+            runs[name, dtype], res["tput"][name, dtype] = (r[0], xy), []
+    keys, tokens = list(runs), world * o["B"] * o["T"]
+    for rnd in range(o["rounds"] if keys else 0):
+        for k in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:  # rotate: nobody always goes first
+            step, xy = runs[k]
+            dist.barrier()
+            t = time.perf_counter()
+            step(*xy)
+            dist.barrier()
+            res["tput"][k].append(tokens / (time.perf_counter() - t))
+    return res
+
+
+# --------------------------------------------------------------------------- tables
+def table(header, rows):
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in r) + " |")
+    print()
+
+
+def ratio(xs, ys):
+    return statistics.median(a / b for a, b in zip(xs, ys))  # per round, then the median
+
+
+def paper_formula(stage, psi, n, K=12):
+    # the ZeRO paper: 2Ψ fp16 params + 2Ψ fp16 grads + KΨ fp32 master and Adam, each sharded by its stage
+    return {0: (4 + K) * psi, 1: 4 * psi + K * psi / n, 2: 2 * psi + (2 + K) * psi / n, 3: (4 + K) * psi / n}[stage]
+
+
+def report_memory(res, psi, world):
+    print(f"### 1. Model-state memory per rank: default GPT ({psi / 1e6:.2f}M params), {world} ranks (MB = 1e6 B)\n")
+    print("Measured after the second step. zero.py: engine.memory(); peers: their parameters', gradients' and "
+          "optimizer states' storages, each counted once. `+off`: offload; host bytes in their own column.\n")
+    rows = []
+    for (name, dtype), m in res["mem"].items():
+        if isinstance(m, str):
+            rows.append([name, dtype, f"failed: {m}"] + [""] * 7)
+            continue
+        dev, host = m
+        est = "—"
+        if stage_of(name) is not None:
+            e = zero.estimate_memory(psi, world, stage_of(name), dtype=dtype, offload=name.endswith("+off"))
+            est = f"{sum(e['device'].values()) / MB:.2f} + {sum(e['host'].values()) / MB:.2f}"
+        rows.append([name, dtype] + [f"{(dev.get(k, 0) + host.get(k, 0)) / MB:.2f}" for k in KINDS]
+                    + [f"{sum(dev.values()) / MB:.2f}", f"{sum(host.values()) / MB:.2f}", est])
+    table(["variant", "dtype"] + list(KINDS) + ["device", "host", "estimate device + host"], rows)
+    print("The ZeRO paper's formula (zero.estimate_memory, fp16 + fp32 Adam, GB = 1e9 B), "
+          "next to the paper's Figure 1 and (2+2+K)Ψ/N_d with K = 12:\n")
+    paper = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
+    rows = []
+    for s in range(4):
+        e1, e2 = (sum(zero.estimate_memory(p, n, s)["device"].values()) / GB for p, n in ((7.5e9, 64), (1e12, 1024)))
+        rows.append([s, f"{e1:.1f}", paper[s], f"{paper_formula(s, 7.5e9, 64) / GB:.1f}", f"{e2:,.1f}",
+                     f"{paper_formula(s, 1e12, 1024) / GB:,.1f}"])
+    table(["stage", "7.5B, 64 GPUs", "paper", "formula", "1T, 1024 GPUs", "formula"], rows)
+
+
+def report_comm(res, psi, world):
+    print(f"### 2. Communication per step and rank ({psi / 1e6:.2f}M params, {world} ranks, MB = 1e6 B)\n")
+    print("engine.comm(): bytes this rank sends as ring algorithms count them (all-reduce 2M(N-1)/N, "
+          "reduce-scatter and all-gather M(N-1)/N); `scalar` is the grad-norm all-reduce.\n")
+    rows = []
+    for (name, dtype), c in res["comm"].items():
+        stage, item = stage_of(name), torch.finfo(getattr(torch, {"bf16": "bfloat16"}.get(dtype, "float32"))).bits // 8
+        k = 3 if stage == 3 else 2
+        want = k * psi * (world - 1) / world * item
+        got = sum(v["bytes"] for v in c.values())
+        rows.append([name, dtype] + [f"{c.get(kind, {}).get('bytes', 0) / MB:.3f} ({c.get(kind, {}).get('calls', 0)})"
+                                     for kind in ("all_reduce", "reduce_scatter", "all_gather", "scalar")]
+                    + [f"{got / MB:.3f}", f"{k}Ψ(N-1)/N = {want / MB:.3f}", f"{got / want:.3f}"])
+    table(["variant", "dtype", "all-reduce (calls)", "reduce-scatter", "all-gather", "scalar", "total", "formula",
+           "total / formula"], rows)
+
+
+def report_tput(res, o):
+    print(f"### 3. Throughput: tiny GPT n_embd={o['tput_embd']} ({o['tput_psi'] / 1e6:.1f}M params), 2 gloo ranks "
+          f"x 1 thread, {o['B']} seqs x {o['T']} tokens per rank\n")
+    print(f"{o['rounds']} interleaved rounds of one step each, after {o['warmup']} warm-up steps. x DDP: the median of "
+          "per-round ratios to DDP of the same dtype. bf16 peers: DDP and ZeRO-opt under autocast, FSDP2 with "
+          "MixedPrecisionPolicy(param_dtype=bf16). Targets are judged on the median.\n")
+    t = res["tput"]
+    rows = [[n, d, f"{statistics.median(v):,.0f}", f"{ratio(v, t[('ddp', d)]):.2f}" if ("ddp", d) in t else "—"]
+            for (n, d), v in t.items()] + [[n, d, f"failed: {e}", ""] for (n, d), e in res["errors"].items()]
+    table(["variant", "dtype", "tokens/s (median)", "x DDP"], rows)
+    rows = []
+    for (ours, base, want), d in ((tg, d) for tg in TARGETS for d in ("fp32", "bf16")):
+        if (ours, d) not in t or (base, d) not in t:
+            rows.append([f"{ours} / {base}", d, "—", "", "", f">= {want}", "not measured"])
+            continue
+        r, each = ratio(t[ours, d], t[base, d]), [a / b for a, b in zip(t[ours, d], t[base, d])]
+        rows.append([f"{ours} / {base}", d, f"{r:.2f}", f"{min(each):.2f}-{max(each):.2f}",
+                     f"{max(t[ours, d]) / max(t[base, d]):.2f}", f">= {want}", "met" if r >= want else "MISSED"])
+    table(["tokens/s", "dtype", "median ratio", "range over rounds", "best / best", "target", ""], rows)
+
+
+# --------------------------------------------------------------------------- one process: Adam, activations, offload
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def interleave(fns, rounds):
+    """{label: [seconds per call]} over rounds, each round in a rotated order, after one warm-up call."""
+    for f in fns.values():
+        f()
+    times, keys = {k: [] for k in fns}, list(fns)
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[k].append(timed(fns[k]))
+    return times
+
+
+def bandwidth():
+    """The best of three streaming kernels over 512 MB tensors, in bytes read + written per second."""
+    a, b, c = torch.ones(1 << 27), torch.ones(1 << 27), torch.empty(1 << 27)
+    kernels = {"copy": (lambda: c.copy_(a), 2), "sum": (lambda: a.sum(), 1), "add": (lambda: torch.add(a, b, out=c), 3)}
+    return max(k * a.nbytes / min(timed(f) for _ in range(5)) for f, k in kernels.values())
+
+
+def deepspeed_adam(params):
+    if importlib.util.find_spec("deepspeed") is None:  # measured when present, never needed
+        return "not installed"
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **OPT).step
+    except Exception as e:
+        return f"failed: {type(e).__name__}: {e}".splitlines()[0][:120]
+
+
+FUSED = "torch.optim.AdamW(fused=True)"
+
+
+def report_adam(sizes, rounds):
+    bw = bandwidth()
+    print(f"### 4a. CPU AdamW params/s, one process, {torch.get_num_threads()} threads, fp32 master and moments\n")
+    print(f"Best of {rounds} interleaved rounds (another process can only slow a round down); x fused: best over "
+          "best. GB/s: the bytes an update must read and write (28 per param with an fp32 grad, +2 writing a 16-bit "
+          "copy, -2 reading a 16-bit grad) per second; the best streaming kernel here (copy, sum, add over 512 MB) "
+          f"moves {bw / GB:.0f} GB/s.\n")
+    rows = []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.randn(n) * 0.02)
+        p.grad = torch.randn(n) * 1e-3
+        fns, traffic = {}, {}
+        for kind in ("foreach", "fused"):
+            label = FUSED.replace("fused", kind)
+            fns[label], traffic[label] = torch.optim.AdamW([p], **{kind: True}, **OPT).step, 28
+        if zero is not None:
+            m, v, out, g16 = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16), p.grad.bfloat16()
+            for label, g, o, nbytes in (("", p.grad, None, 28), (", out=bf16", p.grad, out, 30),
+                                        (", bf16 grad, out=bf16", g16, out, 26)):
+                fns[f"zero.adamw_step{label}"] = lambda g=g, o=o, w=p.data: zero.adamw_step(
+                    w, g, m, v, 10, OPT["lr"], *OPT["betas"], OPT["eps"], OPT["weight_decay"], out=o)
+                traffic[f"zero.adamw_step{label}"] = nbytes
+        ds = deepspeed_adam([p])
+        if callable(ds):
+            fns["DeepSpeedCPUAdam"], traffic["DeepSpeedCPUAdam"] = ds, 28
+        times = interleave(fns, rounds)
+        for k, ts in times.items():
+            rate = n / min(ts)
+            rows.append([f"{n / 1e6:.0f}M", k, f"{rate / 1e9:.2f}",
+                         f"{min(times[FUSED]) / min(ts):.2f}", f"{rate * traffic[k] / GB:.0f}"])
+        if not callable(ds):
+            rows.append([f"{n / 1e6:.0f}M", "DeepSpeedCPUAdam", ds, "", ""])
+        if zero is None:
+            rows.append([f"{n / 1e6:.0f}M", "zero.adamw_step", f"import zero failed: {ZERO_ERR}", "", ""])
+        del p, fns
+    table(["params", "optimizer", "G params/s", "x fused", "GB/s"], rows)
+
+
+def saved_for_backward(eng, x, y):
+    """Bytes autograd keeps from one forward for the backward: tensors saved by autograd plus the unit
+    inputs that recompute holds on to, each storage once; the weights themselves are not counted."""
+    seen, kept = {p.untyped_storage().data_ptr() for p in eng.module.parameters()}, []
+    keep = lambda t: kept.append(storage_bytes([t], seen)) or t  # noqa: E731
+    hooks = [b.register_forward_pre_hook(lambda m, args: kept.append(storage_bytes(args[:1], seen)))
+             for b in eng.module.blocks]  # append returns None: the hook leaves the inputs alone
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = eng(x, y)
+    for h in hooks:
+        h.remove()
+    eng.backward(loss)
+    eng.step()
+    return sum(kept)
+
+
+def report_activations(o):
+    print(f"### 4b. Activation memory, 8 blocks of n_embd={o['tput_embd']}, {o['B']} x {o['T']} tokens, bf16, "
+          "one process\n")
+    if zero is None:
+        return print(f"not measured: import zero failed: {ZERO_ERR}\n")
+    rows, steps, base = [], {}, None
+    for ck in (False, 2, True):
+        model = make_gpt(o["tput_preset"], n_embd=o["tput_embd"], n_layer=8)
+        eng = zero.Zero(model, zero.Config(stage=0, dtype="bf16", checkpoint=ck, **OPT))
+        xy = batch(model, o["B"], 0)
+        saved = saved_for_backward(eng, *xy)
+        base = base or saved
+        rows.append([f"checkpoint={ck}", f"{saved / MB:.1f}", f"{saved / base:.2f}"])
+        steps[ck] = lambda eng=eng, xy=xy: (eng.backward(eng(*xy)), eng.step())
+    times = interleave(steps, o["rounds"])
+    for r, ck in zip(rows, steps):
+        r.append(f"{ratio(times[ck], times[False]):.2f}")
+    table(["Config", "saved for backward (MB)", "x no recompute", "step time x no recompute"], rows)
+
+
+def report_offload(o):
+    print(f"### 4c. Offload: the host update behind the next forward (stage 2, bf16, tiny GPT n_embd="
+          f"{o['tput_embd']}, {o['off_B']} x {o['T']} tokens, one process, 1 thread + the update's thread)\n")
+    if zero is None:
+        return print(f"not measured: import zero failed: {ZERO_ERR}\n")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the caller's thread plays the GPU; the update's thread gets the other core
+    engines, xy = {}, None
+    for off in (False, True):
+        model = make_gpt(o["tput_preset"], n_embd=o["tput_embd"])
+        engines[off] = zero.Zero(model, zero.Config(stage=2, dtype="bf16", offload=off, **OPT))
+        xy = batch(model, o["off_B"], 0)
+    parts = ("forward", "backward", "step", "iteration")
+    t = {(off, part): [] for off in engines for part in parts}
+    for r in range(o["rounds"] + 1):  # round 0 warms up
+        for off, eng in engines.items():
+            for i in range(3):  # the first iteration starts with no update pending: not counted
+                t0 = time.perf_counter()
+                loss = eng(*xy)
+                t1 = time.perf_counter()
+                eng.backward(loss)
+                t2 = time.perf_counter()
+                eng.step()
+                for part, dt in zip(parts, (t1 - t0, t2 - t1, time.perf_counter() - t2, time.perf_counter() - t0)):
+                    t[off, part] += [dt] if r and i else []
+    torch.set_num_threads(threads)
+    med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+    rows = [[f"offload={off}"] + [f"{med[off, part]:.1f}" for part in parts] for off in engines]
+    table(["Config", "forward ms", "backward ms (waits for the update)", "step() ms as the caller sees it",
+           "iteration ms"], rows)
+    update = med[False, "step"]  # the same AdamW and gather, run in step() by the caller
+    saved = med[False, "iteration"] - med[True, "iteration"]
+    print(f"The update's own time (step() without offload): {update:.1f} ms. With offload step() returns in "
+          f"{med[True, 'step']:.1f} ms and the iteration is {saved:+.1f} ms shorter: {saved / update:.0%} of the "
+          "update is hidden behind the next forward and backward (below 0: the overlap cost more than it hid).\n")
+
+
+# --------------------------------------------------------------------------- GPU (not run on CPU machines)
+def report_gpu(quick):
+    print("### 5. One GPU\n")
+    if not torch.cuda.is_available() or zero is None:
+        return print("skipped: " + ("no CUDA device" if zero else f"import zero failed: {ZERO_ERR}") + "\n")
+    name, dev = torch.cuda.get_device_name(), torch.device("cuda")
+    peak = next((v for k, v in train_gpt.PEAK_FLOPS.items() if k in name), 0.0)
+
+    def run(preset, stage, dtype, offload, B, steps):
+        model = make_gpt(preset)
+        eng = zero.Zero(model, zero.Config(stage=stage, dtype=dtype, offload=offload, **OPT))
+        x, y = (t.to(dev) for t in batch(model, B, 0))
+        for i in range(2 + steps):  # two warm-up steps
+            if i == 2:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+            eng.backward(eng(x, y))
+            eng.step()
+        torch.cuda.synchronize()
+        tok_s, psi = B * model.block_size * steps / (time.perf_counter() - t), numel(model)
+        L, C, T = len(model.blocks), model.wte.weight.shape[1], model.block_size
+        flops = 6 * (psi - model.wpe.weight.numel()) + 12 * L * C * T  # per token, as train_gpt.py counts
+        return tok_s, flops * tok_s / peak if peak else None
+    rows = []
+    for dtype, stage in ((d, s) for d in ("bf16", "fp16") for s in range(4)):
+        tok_s, mfu = run("gpt2", stage, dtype, False, 4 if quick else 8, 3 if quick else 10)
+        rows.append([stage, dtype, f"{tok_s:,.0f}", f"{mfu:.1%}" if mfu else "— (peak unknown)"])
+        torch.cuda.empty_cache()
+    table([f"stage (gpt2, batch {4 if quick else 8} x 1024, {name})", "dtype", "tokens/s", "MFU"], rows)
+    for offload in (False, True):
+        largest = "none"
+        for preset in [p for p in train_gpt.PRESETS if p != "tiny"]:
+            try:
+                run(preset, 2, "bf16", offload, 1, 1)
+                largest = preset
+            except torch.cuda.OutOfMemoryError:
+                break
+            finally:
+                torch.cuda.empty_cache()
+        print(f"largest preset that trains (stage 2, bf16, batch 1, offload={offload}): {largest}")
+    print()
+
+
+# --------------------------------------------------------------------------- main
+def section(fn, *a):
+    try:
+        fn(*a)
+    except Exception:  # a section that fails is reported, and the others still run
+        print(f"**{fn.__name__} failed:**\n```\n{traceback.format_exc()}```\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a reduced smoke run (under a minute)")
+    quick = ap.parse_args().quick
+    t0 = time.time()
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"## zero.py bench{' (--quick)' if quick else ''}: {datetime.date.today()}, {cpu} x {os.cpu_count()} "
+          f"cores, {gpu}, torch {torch.__version__}, Python {platform.python_version()}\n")
+    if zero is None:
+        print(f"**import zero failed** ({ZERO_ERR}): only the peers are measured\n")
+    zeros = [f"zero{s}" for s in range(4)]
+    o = dict(mem_preset="tiny", tput_preset="tiny", tput_embd=256, T=train_gpt.PRESETS["tiny"][3],
+             B=2 if quick else 16, off_B=2, warmup=1 if quick else 2, rounds=1 if quick else 16,
+             mem_variants=[("ddp", "fp32"), ("zero-opt", "fp32"), ("fsdp2", "fp32"), ("fsdp2", "bf16")]
+             + [(z, d) for d in ("fp32", "bf16") for z in zeros] + [("zero2+off", "bf16"), ("zero3+off", "bf16")],
+             tput_variants=[(v, d) for d in ("fp32", "bf16") for v in ["ddp", "zero-opt", "fsdp2"] + zeros])
+    o["tput_psi"] = numel(make_gpt(o["tput_preset"], n_embd=o["tput_embd"]))
+    psi, world = numel(make_gpt(o["mem_preset"])), 2
+    try:
+        res = spawn(dist_job, world, (o,), timeout=120 if quick else 1800)
+        section(report_memory, res, psi, world)
+        section(report_comm, res, psi, world)
+        section(report_tput, res, o)
+    except Exception as e:
+        print(f"**the 2-rank job failed:**\n```\n{e}\n```\n")
+    section(report_adam, [1_000_000] if quick else [10_000_000, 50_000_000, 200_000_000], 2 if quick else 7)
+    section(report_activations, o)
+    section(report_offload, o)
+    section(report_gpu, quick)
+    print(f"bench.py took {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

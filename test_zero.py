@@ -792,3 +792,19 @@ def test_offload_process_exits_cleanly_right_after_step():
     for _ in range(3):
         p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_user_chosen_units():
+    """units=[...] overrides the default (one unit per block): here two blocks share nothing, one is root."""
+    model = make_model()
+    engine = zero.Zero(model, zero.Config(stage=3, dtype="fp32", lr=LR), units=[model.blocks[0], model.blocks[2]])
+    assert [u.module for u in engine.units[:-1]] == [model.blocks[0], model.blocks[2]]
+    assert any(n.startswith("blocks.1.") for n in engine.root.names)
+    xs, ys = make_batches(STEPS, BATCH)
+    for s in range(STEPS):
+        engine.backward(engine(xs[s], ys[s])["loss"])
+        engine.step()
+    ref = reference(STEPS, BATCH, zero.Config(lr=LR))[2]
+    sd = engine.full_state_dict()
+    for k, v in ref.items():
+        assert torch.allclose(sd[k], v, atol=1e-5, rtol=1e-5), k

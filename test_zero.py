@@ -159,7 +159,7 @@ def reference(steps, batch, cfg, accum=1, **model_kw):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(rank, world, cfg, steps, batch, model_kw=None, inject_inf=None):
+def train(rank, world, cfg, steps, batch, model_kw=None, inject_inf=None, lr_schedule=None):
     """The engine on this rank's slice of each global batch; returns the global losses, grad norms,
     the full fp32 state_dict, and what the engine reports."""
     model_kw = model_kw or {}
@@ -171,6 +171,8 @@ def train(rank, world, cfg, steps, batch, model_kw=None, inject_inf=None):
         x, y = xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]
         mb = per // cfg.accum_steps
         total = 0.0
+        if lr_schedule:                     # set before the forward, as a training loop does
+            engine.lr = lr_schedule[s]
         for m in range(cfg.accum_steps):
             loss = engine(x[m * mb:(m + 1) * mb], y[m * mb:(m + 1) * mb])["loss"]
             engine.backward(loss)
@@ -517,7 +519,8 @@ def _recompute_offload_cases(rank, world):
         for dtype in ("fp32", "bf16"):
             for off in (False, True):
                 cfg = zero.Config(stage=stage, dtype=dtype, lr=LR, offload=off)
-                out[("off", stage, dtype, off)] = train(rank, world, cfg, 3, 4 * world)
+                # a changing lr: the update running behind the next forward must use its own step's
+                out[("off", stage, dtype, off)] = train(rank, world, cfg, 3, 4 * world, lr_schedule=[LR, 0.1, LR])
     return out if rank == 0 else None
 
 

@@ -701,7 +701,7 @@ class Zero:
             self._start_updates(mult)
         else:
             for u in self.units:
-                self._update(u, mult, self._param_slice(u))
+                self._update(u, mult, self._param_slice(u), self.lr, self.step_count)
             # stages 1-2 keep whole parameters: every rank's updated slice goes to every rank, in place
             if cfg.stage in (1, 2):
                 works = [self.net.all_gather(u.flat, u.flat[u.lo:u.hi], sync=False) for u in self.units]
@@ -710,12 +710,12 @@ class Zero:
         self.ledger_reset()
         return True
 
-    def _update(self, u, mult, out):
+    def _update(self, u, mult, out, lr, step):
         """AdamW on u's owned range; `out` receives the updated weights in the compute dtype."""
         b1, b2 = self.cfg.betas
         for a, b, decay in u.decay_runs:
-            adamw_step(u.master[a:b], u.grad_shard[a:b], u.exp_avg[a:b], u.exp_avg_sq[a:b], self.step_count,
-                       self.lr, b1, b2, self.cfg.eps, self.cfg.weight_decay if decay else 0.0,
+            adamw_step(u.master[a:b], u.grad_shard[a:b], u.exp_avg[a:b], u.exp_avg_sq[a:b], step,
+                       lr, b1, b2, self.cfg.eps, self.cfg.weight_decay if decay else 0.0,
                        grad_mult=mult, out=None if out is None else out[a:b])
 
     def _param_slice(self, u):
@@ -740,23 +740,24 @@ class Zero:
             self.units[i].updated.clear()
             if self.cfg.stage in (1, 2):
                 self.units[i].gathered = False   # the other ranks' slices are last step's until gathered
-        self.jobs.put((order, mult))
+        # lr and step as they are now: the caller may set the next step's lr while the worker runs
+        self.jobs.put((order, mult, self.lr, self.step_count))
 
     def _worker(self):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)   # the current GPU is per thread
         while True:
-            order, mult = self.jobs.get()
+            order, mult, lr, step = self.jobs.get()
             t0 = time.perf_counter()
             for i in order:
                 u = self.units[i]
                 try:
                     dest = self._param_slice(u)
                     if u.staging is not None:   # CUDA: 16-bit result to pinned memory, then to the device
-                        self._update(u, mult, u.staging)
+                        self._update(u, mult, u.staging, lr, step)
                         dest.copy_(u.staging, non_blocking=True)
                     else:
-                        self._update(u, mult, dest)
+                        self._update(u, mult, dest, lr, step)
                     # no collective here: the caller's thread gathers, in its forward, so the order of
                     # collectives is the program's own on every rank
                 except BaseException as e:  # handed to the caller at its next wait

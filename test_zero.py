@@ -13,6 +13,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -811,3 +812,76 @@ def test_user_chosen_units():
     sd = engine.full_state_dict()
     for k, v in ref.items():
         assert torch.allclose(sd[k], v, atol=1e-5, rtol=1e-5), k
+
+
+# -----------------------------------------------------------------------------
+# train_gpt.py end to end, as a user launches it (torchrun, 2 gloo processes), on a model of seconds
+
+TRAIN_GPT = os.path.join(HERE, "train_gpt.py")
+# a 2-block GPT on 32-byte contexts; lr_decay_iters fixed so the schedule is the same whatever max_iters
+TINY_GPT = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+            "--eval_interval=4", "--eval_iters=2", "--sample_tokens=8", "--warmup_iters=2",
+            "--lr=1e-2", "--min_lr=1e-3", "--lr_decay_iters=12"]
+
+
+def run_train_gpt(args, nproc=2, timeout=90):
+    """train_gpt.py under torchrun (nproc processes) or as one plain process (nproc=0)."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc \
+        else [sys.executable]
+    return subprocess.run(launch + [TRAIN_GPT] + args, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.path.dirname(TRAIN_GPT))
+
+
+def step_losses(stdout):
+    """{step: train loss} from train_gpt.py's per-step log lines."""
+    return {int(s): float(x) for s, x in re.findall(r"^step\s+(\d+) \| loss ([0-9.]+)", stdout, re.M)}
+
+
+def test_train_gpt_trains_and_resumes_exactly(tmp_path):
+    run = TINY_GPT + ["--stage=3", "--accum_steps=2"]
+    first = run_train_gpt(run + [f"--out_dir={tmp_path / 'a'}", "--max_iters=8"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    losses = step_losses(first.stdout)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1] - 0.3, losses          # it learns: bytes of Python source are far from uniform
+    assert "sample" in first.stdout and os.path.exists(tmp_path / "a" / "ckpt.json")
+
+    # --resume=True picks up at the saved step ...
+    resumed = run_train_gpt(run + [f"--out_dir={tmp_path / 'a'}", "--max_iters=12", "--resume=True"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = step_losses(resumed.stdout)
+    assert sorted(after) == list(range(9, 13)), after
+    # ... and continues exactly as an uninterrupted run would: same weights, optimizer state and batches
+    straight = run_train_gpt(run + [f"--out_dir={tmp_path / 'b'}", "--max_iters=12"])
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    whole = step_losses(straight.stdout)
+    assert {s: whole[s] for s in range(1, 9)} == losses
+    assert {s: whole[s] for s in range(9, 13)} == pytest.approx(after, abs=2e-3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no_such_option=1"], "unknown option --no_such_option"),
+    (["--max_iters=ten"], "--max_iters=ten: expected int"),
+    (["--data=/no/such/dataset"], "--data=/no/such/dataset: no such file or directory"),
+    (["--data=SHORT"], "fewer than one block"),
+])
+def test_train_gpt_bad_input_is_one_line(tmp_path, args, message):
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"print('hi')\n")  # 12 bytes: not one 128-token block
+    args = [a.replace("SHORT", str(short)) for a in args] + [f"--out_dir={tmp_path}"]
+    r = run_train_gpt(args, nproc=0, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_bench_quick_runs():
+    """bench.py --quick as a smoke test: it runs and prints its tables (timings are not asserted)."""
+    r = subprocess.run([sys.executable, "bench.py", "--quick"], cwd=HERE, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for title in ("Model-state memory", "Communication per step", "Throughput", "CPU AdamW", "Activation memory",
+                  "Offload"):
+        assert title in r.stdout, title
+    assert "failed" not in r.stdout.split("### 3.")[0], r.stdout[:3000]   # zero.py's own rows all ran

@@ -236,21 +236,37 @@ class LossScaler:
 # per tensor, on CPU and CUDA; the same function serves the device and the offload worker, so offload
 # changes where the update runs, not what it computes.
 
+CONVERT_CHUNK = 1 << 22  # elements of a 16-bit gradient converted to fp32 at a time
+_scratch = {}             # device -> the fp32 buffer they are converted into, reused across calls
+
+
 def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
                grad_mult=1.0, out=None):
     """AdamW (decoupled weight decay) on 1-D fp32 master/moment tensors with PyTorch's fused
-    kernel (vectorised, multi-threaded, on CPU and CUDA). A 16-bit gradient is converted first;
-    grad_mult (loss unscale and clip) is applied inside the kernel. `out`, if given, receives the
-    updated master in its own (16-bit) dtype."""
-    # one kernel call over the whole range: splitting it into cache-sized chunks was measured slower on
-    # a busy CPU, where every parallel region waits for its slowest thread
-    g = grad if grad.dtype == torch.float32 else grad.float()
-    steps = torch.full((), float(step - 1), device=master.device)   # the kernel increments it to `step`
+    kernel (vectorised, multi-threaded, on CPU and CUDA). A 16-bit gradient is converted to fp32
+    chunk by chunk; grad_mult (loss unscale and clip) is applied inside the kernel. `out`, if
+    given, receives the updated master in its own (16-bit) dtype."""
+    n = master.numel()
+    # an fp32 gradient goes in one kernel call: cache-sized chunks were measured slower on a busy CPU,
+    # where every parallel region waits for its slowest thread. A 16-bit one goes in large chunks
+    # through a reused buffer: a fresh fp32 copy of the whole range costs more in page faults than
+    # the update itself (measured 0.18x the fused kernel's speed at 50M parameters)
+    chunk = n if grad.dtype == torch.float32 else CONVERT_CHUNK
+    steps = torch.zeros((), device=master.device)
     # the kernel divides by grad_scale, as AMP's unscale does
     inv_mult = torch.full((), 1.0 / grad_mult, device=master.device) if grad_mult != 1.0 else None
-    functional_adam([master], [g], [exp_avg], [exp_avg_sq], [], [steps], fused=True, grad_scale=inv_mult,
-                    decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-                    weight_decay=weight_decay, eps=eps, maximize=False)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        g = grad[a:b]
+        if g.dtype != torch.float32:
+            buf = _scratch.get(master.device)
+            if buf is None or buf.numel() < b - a:
+                buf = _scratch[master.device] = torch.empty(chunk, device=master.device)
+            g = buf[:b - a].copy_(g)
+        steps.fill_(step - 1)           # the kernel increments it to `step`
+        functional_adam([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps], fused=True,
+                        grad_scale=inv_mult, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
+                        beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
     if out is not None:
         out.copy_(master)
 

@@ -161,22 +161,19 @@ class Comm:
 
     def reduce_scatter(self, out, inp, kind="reduce_scatter", sync=True):
         # out may be inp's own slice [rank*S, (rank+1)*S): NCCL and gloo both reduce in place
-        self._log(kind, inp, 1)
-        if self.world == 1:
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-            return None
-        work = _reduce_scatter(out, inp, async_op=True)
-        return self.wait(work) if sync else work
+        return self._flat(_reduce_scatter, out, inp, inp, kind, sync)
 
     def all_gather(self, out, inp, kind="all_gather", sync=True):
         # inp may be out's own slice: an in-place gather straight into the parameters' storage
-        self._log(kind, out, 1)
-        if self.world == 1:
+        return self._flat(_all_gather, out, inp, out, kind, sync)
+
+    def _flat(self, collective, out, inp, whole, kind, sync):
+        self._log(kind, whole, 1)
+        if self.world == 1:                 # one rank: its slice is the whole tensor
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return None
-        work = _all_gather(out, inp, async_op=True)
+        work = collective(out, inp, async_op=True)
         return self.wait(work) if sync else work
 
     def broadcast(self, t, src=0):

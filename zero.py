@@ -326,11 +326,12 @@ class Unit:
                 self.add_run(a - self.lo, b - self.lo, p.dim() >= 2)
         if self.padded > self.numel and self.numel < self.hi:  # padding is zero and stays zero
             self.add_run(max(self.numel, self.lo) - self.lo, self.hi - self.lo, False)
+        # the tensors themselves are made by Zero._build, which knows the stage, dtype and device
         self.flat = self.shard = self.grad = self.grad_shard = None
         self.master = self.exp_avg = self.exp_avg_sq = None
-        self.staging = None
-        self.gather_work = None
-        self.gathered = True
+        self.staging = None         # offload on CUDA: pinned 16-bit copy of the owned slice
+        self.gather_work = None     # the all-gather in flight, if any
+        self.gathered = True        # flat holds every rank's current values
         self.seen = set()           # params whose gradient arrived in this accumulation window
         self.arrived = 0            # gradients that arrived in this micro-batch
         self.reduced = False        # this micro-batch's collective was launched
@@ -366,6 +367,7 @@ class Zero:
     steps AdamW on this rank's shard. Call it like the model, then backward(loss), then step()."""
 
     def __init__(self, model, cfg=None, units=None):
+        # a bad config fails here, before any collective or allocation
         self.cfg = cfg = (cfg or Config()).validate()
         self.net = Comm(cfg.timeout_s)
         self.rank, self.world = self.net.rank, self.net.world
@@ -373,10 +375,12 @@ class Zero:
         self.device = _engine_device()
         self.module = model
         self.scaler = LossScaler(cfg)
+        # the caller may change lr between steps (a schedule); step_count counts applied steps only
         self.lr, self.step_count, self.grad_norm = cfg.lr, 0, 0.0
         self.micro = 0                      # backward calls since the last step
         self.peak_gathered_bytes = 0        # stage 3: the most bytes of whole units held at once
         self.last_comm = {}
+        # units in the order the forward ran them: prefetching and the offload update follow it
         self.fwd_order, self.last_fwd_order = [], []
         # where the shard state (master, moments, gradient shard) lives: the device, or the host with offload
         self.host = torch.device("cpu") if cfg.offload else self.device
@@ -389,6 +393,7 @@ class Zero:
         for i, m in enumerate(unit_modules):
             for p in m.parameters():
                 owners.setdefault(id(p), set()).add(i)
+        # frozen parameters get no gradient and no optimizer state, so they join no unit
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("zero.Zero: the model has no trainable parameters (requires_grad=True); "
@@ -431,6 +436,7 @@ class Zero:
             if u is not self.root or cfg.stage == 3 or cfg.offload:
                 u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u))
                 u.module.register_forward_hook(functools.partial(self._post_forward, u))
+        # recompute every k-th block unit (the root holds embeddings and head: nothing worth recomputing)
         k = 1 if cfg.checkpoint is True else cfg.checkpoint
         if k:
             for j, u in enumerate(x for x in self.units if x is not self.root):
@@ -519,6 +525,7 @@ class Zero:
             u.gathered = True
 
     def _gather(self, u):
+        # start it (if no prefetch did) and wait for it: after this, u's parameters are whole and current
         self._start_gather(u)
         if u.gather_work is not None:
             self.net.wait(u.gather_work)
@@ -596,6 +603,7 @@ class Zero:
             self._reduce(u)
 
     def _reduces_now(self):
+        # whether this micro-batch's backward launches collectives (accumulation defers stages 0-1)
         # stage 0 all-reduces on the last micro-batch, stage 1 reduce-scatters in step(), 2-3 every time
         last = self.micro == self.cfg.accum_steps - 1
         return self.cfg.stage >= 2 or (self.cfg.stage == 0 and last)
@@ -676,6 +684,7 @@ class Zero:
             raise RuntimeError(f"zero: step() after {self.micro} backward() calls; "
                                f"Config.accum_steps={cfg.accum_steps} asks for exactly that many")
         self.micro = 0
+        # from here to the update, every rank runs the same collectives in the same order
         if cfg.stage == 1:                  # stage 1 reduce-scatters once, now
             self.in_flight = []
             for u in self.units:
@@ -692,10 +701,12 @@ class Zero:
             sq += torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32).to(self.device) ** 2
         # stage 0 holds the whole gradient on every rank: MAX only makes the ranks agree on overflow
         self.net.all_reduce(sq, op=dist.ReduceOp.SUM if cfg.stage else dist.ReduceOp.MAX, kind="scalar")
+        # the gradients were computed from loss * scale: divide it out of the norm
         norm = sq.sqrt().item() / self.scaler.scale
         self.grad_norm = norm
         for u in self.units:
             u.seen = set()                  # the next window starts a new accumulation
+        # every rank sees the same norm, so every rank takes the same branch: no rank can step alone
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
             self.ledger_reset()
@@ -710,6 +721,7 @@ class Zero:
         mult = clip / self.scaler.scale
         self.step_count += 1
         self.scaler.update(overflow=False)
+        # with offload the update happens behind the next forward; without, right here
         if cfg.offload:
             self._start_updates(mult)
         else:
@@ -741,6 +753,7 @@ class Zero:
     #    goes on to the next forward, which waits only for the unit it is about to run
 
     def _start_updates(self, mult):
+        # one long-lived worker per engine; jobs go through a queue, one job per step
         if self.worker is None:
             self.jobs, self.worker_error = queue.Queue(), None
             self.worker = threading.Thread(target=self._worker, daemon=True, name="zero-offload-adam")
@@ -797,6 +810,7 @@ class Zero:
     # -- what the engine tells its user
 
     def ledger_reset(self):
+        # called at the end of each step: what one step moved, from the forward to the update
         self.last_comm = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.net.ledger.items()}
         self.net.ledger = {}
 
@@ -822,6 +836,7 @@ class Zero:
             seen.add(st.data_ptr())
             out[where][kind] += st.nbytes()
         host = "host" if self.cfg.offload else "device"
+        # (on a CPU-only machine "device" and "host" are one memory: the split is by role, as on a GPU)
         for u in self.units:
             add(u.flat, "params", "device")
             add(u.shard, "params", "device")
@@ -834,6 +849,7 @@ class Zero:
         return out
 
     def num_params(self, padded=False):
+        # Ψ of the formulas: trainable parameters (padded: as the flat buffers hold them)
         return sum(u.padded if padded else u.numel for u in self.units)
 
     def full_state_dict(self):
@@ -861,6 +877,7 @@ class Zero:
         if self.cfg.stage == 0:
             return u.master.to(self.device, torch.float32)
         full = torch.empty(u.padded, dtype=torch.float32, device=self.device)
+        # its own ledger kind: a state_dict is not training traffic
         self.net.all_gather(full, u.master.to(self.device, torch.float32), kind="state_dict")
         return full
 
@@ -970,7 +987,8 @@ def save(engine, path):
     blob = dict(units=shards, rng=torch.get_rng_state())
     if torch.cuda.is_available():
         blob["cuda_rng"] = torch.cuda.get_rng_state()
-    if rank == 0:                           # buffers and frozen parameters, as the model holds them
+    # buffers and frozen parameters are the same on every rank: rank 0 saves them, as the model holds them
+    if rank == 0:
         trained = {id(p) for u in engine.units for p in u.params}
         blob["extra"] = {k: v.detach().cpu() for k, v in engine.module.state_dict(keep_vars=True).items()
                          if id(v) not in trained}
@@ -986,7 +1004,8 @@ def save(engine, path):
         _write_atomic(os.path.join(d, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
         # the commit point: until this rename, `latest` names the previous checkpoint, which is whole
         _write_atomic(os.path.join(path, "latest"), lambda f: f.write(name.encode()))
-        for old in os.listdir(path):        # older checkpoints go only once the new one is complete
+        # older checkpoints go only once the new one is complete (a crash here leaves an extra, never none)
+        for old in os.listdir(path):
             if old.startswith("step_") and old != name:
                 shutil.rmtree(os.path.join(path, old), ignore_errors=True)
     _all_gather_object(net, None)           # nobody returns before the checkpoint is whole
@@ -994,6 +1013,7 @@ def save(engine, path):
 
 def _resolve(path):
     """A checkpoint directory from `path`: the directory itself, or what its `latest` names."""
+    # `latest` is read once: a save finishing meanwhile does not mix two checkpoints
     if os.path.isfile(os.path.join(path, "latest")):
         with open(os.path.join(path, "latest")) as f:
             path = os.path.join(path, f.read().strip())
@@ -1027,6 +1047,7 @@ def _open_rank(d, meta, r):
 
 def _by_name(meta):
     """name -> (unit, offset, numel, shard size at save time) in the saved layout."""
+    # the shard size follows from the unit's size and the world size at save time, as in Unit
     out = {}
     for i, u in enumerate(meta["units"]):
         size = -(-u["numel"] // meta["world_size"])
@@ -1101,11 +1122,12 @@ def load(engine, path):
             engine.net.all_gather(u.flat, u.flat[u.lo:u.hi], kind="load")
     engine.step_count = meta["step"]
     engine.scaler.load_state_dict(meta["scaler"])
-    if rng is not None:                     # the same ranks again: dropout continues its stream
+    # the same ranks again: each continues its own random stream (dropout), as if never stopped
+    if rng is not None:
         torch.set_rng_state(rng["rng"])
         if "cuda_rng" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda_rng"])
-    extra = files(0)["extra"]
+    extra = files(0)["extra"]               # buffers and frozen parameters
     with torch.no_grad():
         for k, v in engine.module.state_dict(keep_vars=True).items():
             if k in extra:
@@ -1190,6 +1212,7 @@ def main(argv=None):
     c.add_argument("out")
     a = ap.parse_args(argv)
     if a.cmd == "estimate":
+        # the per-rank table of the ZeRO paper's Figure 1 (one row per stage)
         print(f"model states per rank, {a.params:.4g} params, {a.world_size} ranks, {a.dtype} + fp32 Adam (GB = 1e9 B)")
         print(f"{'stage':>5} {'params':>9} {'grads':>9} {'master':>9} {'optim':>9} {'total':>9}")
         for s in range(4):
@@ -1197,6 +1220,7 @@ def main(argv=None):
             print(f"{s:>5} " + " ".join(f"{d[k] / 1e9:>9.4g}" for k in ("params", "grads", "master", "optim"))
                   + f" {sum(d.values()) / 1e9:>9.1f}")
     elif a.cmd == "consolidate":
+        # no processes, no GPU: the rank files are read straight from disk
         torch.save(consolidate(a.ckpt), a.out)
         print(f"wrote {a.out}")
 

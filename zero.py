@@ -378,6 +378,7 @@ class Zero:
         # the caller may change lr between steps (a schedule); step_count counts applied steps only
         self.lr, self.step_count, self.grad_norm = cfg.lr, 0, 0.0
         self.micro = 0                      # backward calls since the last step
+        self.in_flight = []                 # gradient collectives launched and not yet finished
         self.peak_gathered_bytes = 0        # stage 3: the most bytes of whole units held at once
         self.last_comm = {}
         # units in the order the forward ran them: prefetching and the offload update follow it

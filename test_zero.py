@@ -885,3 +885,27 @@ def test_bench_quick_runs():
                   "Offload"):
         assert title in r.stdout, title
     assert "failed" not in r.stdout.split("### 3.")[0], r.stdout[:3000]   # zero.py's own rows all ran
+
+
+def test_stage3_prefetches_the_next_unit():
+    """From the second step on, each block's gather has started before its own forward or backward
+    asks for it: the previous unit's hooks prefetched it."""
+    engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=3, dtype="fp32"))
+    ready_on_arrival = []
+    real = engine._gather
+
+    def spy(u):
+        ready_on_arrival.append((u.index, u.gathered or u.gather_work is not None))
+        return real(u)
+    engine._gather = spy
+    x, y = make_batches(2, 2)
+    for s in range(2):
+        ready_on_arrival.clear()
+        engine.backward(engine(x[s], y[s])["loss"])
+        engine.step()
+    blocks = [ok for i, ok in ready_on_arrival if i not in (0, engine.root.index)]
+    assert len(blocks) >= 6 and all(blocks), ready_on_arrival
+    engine.cfg.prefetch = False                 # and without prefetch, nothing is ready ahead
+    ready_on_arrival.clear()
+    engine.backward(engine(x[0], y[0])["loss"])
+    assert not any(ok for i, ok in ready_on_arrival if i != engine.root.index), ready_on_arrival

@@ -577,7 +577,12 @@ class Zero:
     def _pre_backward(self, u):
         # runs when the gradient of u's output is ready, before any of u's own backward (or its recompute)
         self._gather(u)
-        prev = self._neighbour(u, -1, self.fwd_order)
+        # backward runs the forward's units in reverse, except the root (embeddings and head), which
+        # ran first and is the first back: after it comes the forward's last block
+        if u is self.root:
+            prev = self.units[self.fwd_order[-1]] if self.fwd_order else None
+        else:
+            prev = self._neighbour(u, -1, self.fwd_order)
         if self.cfg.prefetch and prev is not None and prev is not self.root:
             self._start_gather(prev)
 

@@ -38,7 +38,6 @@ import os
 import queue
 import shutil
 import threading
-import time
 import warnings
 import zlib
 from dataclasses import asdict, dataclass
@@ -386,6 +385,8 @@ class Zero:
         # where the shard state (master, moments, gradient shard) lives: the device, or the host with offload
         self.host = torch.device("cpu") if cfg.offload else self.device
         self.pin = cfg.offload and torch.cuda.is_available()  # pinning needs CUDA; same code path without it
+        # fp32 compute without offload: the parameters are the master weights, no second copy
+        self.master_is_param = self.dtype == torch.float32 and not cfg.offload
 
         # -- which parameter goes to which unit: a parameter used by several units goes to the root
         unit_modules = list(units) if units is not None else find_units(model)
@@ -447,7 +448,6 @@ class Zero:
                     u.module.forward = functools.partial(recompute, u.module.forward, use_reentrant=False)
         self.ledger_reset()
         self.worker = self.worker_error = None
-        self.update_seconds = 0.0           # offload: how long the last host update took
 
     def _check_ranks_agree(self, model):
         """Ranks that disagree on the config or the model would hang in mismatched collectives:
@@ -489,15 +489,13 @@ class Zero:
         def state(src=None):
             t = torch.empty(u.hi - u.lo, dtype=torch.float32, device=self.host, **pin)
             return t.copy_(src) if src is not None else t.zero_()
-        # fp32 compute without offload: the parameters are the master weights, no second copy
-        shares_storage = self.dtype == torch.float32 and not cfg.offload
-        u.master = None if shares_storage else state(full[u.lo:u.hi])
+        u.master = None if self.master_is_param else state(full[u.lo:u.hi])
         u.exp_avg, u.exp_avg_sq = state(), state()
         if cfg.stage == 3:                  # the owned slice stays, the whole buffer goes
             u.shard = u.flat[u.lo:u.hi].clone()
             self._free(u)
-        if shares_storage:
-            u.master = u.shard if cfg.stage == 3 else u.flat[u.lo:u.hi]
+        if self.master_is_param:
+            u.master = self._owned_params(u)
         if self.pin:                        # offload on CUDA: the worker writes 16-bit weights here first
             u.staging = torch.empty(u.hi - u.lo, dtype=self.dtype, pin_memory=True)
         if cfg.stage <= 1:                  # the whole gradient stays; stage 1 owns a slice of it
@@ -520,8 +518,7 @@ class Zero:
             held = sum(x.flat.untyped_storage().nbytes() for x in self.units)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
         # stage 3 gathers from its shard; offload at stages 1-2 from the freshly updated owned slice
-        src = u.shard if self.cfg.stage == 3 else u.flat[u.lo:u.hi]
-        u.gather_work = self.net.all_gather(u.flat, src, sync=False)
+        u.gather_work = self.net.all_gather(u.flat, self._owned_params(u), sync=False)
         if u.gather_work is None:
             u.gathered = True
 
@@ -749,11 +746,13 @@ class Zero:
                        lr, b1, b2, self.cfg.eps, self.cfg.weight_decay if decay else 0.0,
                        grad_mult=mult, out=None if out is None else out[a:b])
 
-    def _param_slice(self, u):
-        """Where the updated owned range of parameters goes: the shard (stage 3) or the flat buffer."""
-        if self.dtype == torch.float32 and not self.cfg.offload:
-            return None                     # the master weights are the parameters
+    def _owned_params(self, u):
+        """This rank's owned range of the parameters: the shard (stage 3) or its slice of the flat buffer."""
         return u.shard if self.cfg.stage == 3 else u.flat[u.lo:u.hi]
+
+    def _param_slice(self, u):
+        """Where an update writes the new parameters: nowhere when the master weights are the parameters."""
+        return None if self.master_is_param else self._owned_params(u)
 
     # -- ZeRO-Offload: a worker thread updates unit by unit in forward order, while the caller
     #    goes on to the next forward, which waits only for the unit it is about to run
@@ -780,7 +779,6 @@ class Zero:
             torch.cuda.set_device(self.device)   # the current GPU is per thread
         while True:
             order, mult, lr, step = self.jobs.get()
-            t0 = time.perf_counter()
             for i in order:
                 u = self.units[i]
                 try:
@@ -795,7 +793,6 @@ class Zero:
                 except BaseException as e:  # handed to the caller at its next wait
                     self.worker_error = e
                 u.updated.set()
-            self.update_seconds = time.perf_counter() - t0   # the host update's own time, for bench.py
 
     def _wait_update(self, u):
         # a bounded wait, and a failure in the worker is raised here, in the caller's thread

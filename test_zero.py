@@ -235,16 +235,17 @@ def _parity_cases(rank, world, dtypes):
     return out if rank == 0 else None
 
 
-def _check_parity(res, dtype, ref, tag):
+def _check_parity(res, dtype, ref, tag, init=None):
     losses, norms, sd = ref
     tol = TOL[dtype]
     assert all(res["oks"]), f"{tag}: a step was skipped: {res['oks']}"
+    assert len(res["losses"]) == len(losses) > 0
     for i, (a, b) in enumerate(zip(res["losses"], losses)):
         assert abs(a - b) <= tol["loss"] * abs(b), f"{tag}: loss at step {i}: {a} vs reference {b}"
     for i, (a, b) in enumerate(zip(res["norms"], norms)):
         assert abs(a - b) <= tol["norm"] * abs(b), f"{tag}: grad norm at step {i}: {a} vs reference {b}"
     assert res["sd"].keys() == sd.keys()
-    init = make_model().state_dict()
+    init = init if init is not None else make_model().state_dict()
     moved = [k for k, v in sd.items() if v.is_floating_point() and not torch.equal(v, init[k])]
     assert len(moved) >= 10, "the reference did not train"
     for k in sd:
@@ -336,6 +337,350 @@ def _unused_case(rank, world, stage):
 def test_unused_parameters(stage):
     for err in spawn(_unused_case, 2, stage):
         assert err < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# ranks that use different parameters: experts routed by token, a block skipped on one rank only.
+# Every rank must still launch the same collectives in the same order; the reference runs each rank's
+# chunk of the global batch through plain torch and AdamW.
+
+class MoEBlock(nn.Module):
+    """Experts in a ModuleList inside the block (so one unit), each token sent to expert id % E."""
+    def __init__(self, d, h, experts):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(experts))
+
+    def forward(self, x, idx):
+        y, route, out = self.ln(x), idx % len(self.experts), torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            m = route == e
+            if m.any():                     # an expert without tokens does not run: no gradient on this rank
+                out = out.index_put((m,), expert(y[m]))
+        return x + out
+
+
+class Routed(nn.Module):
+    """MoE blocks; with skip=True, block 1 is skipped when the micro-batch's first token is below 4
+    (a data-dependent LayerDrop / early exit), so ranks skip it in different steps."""
+    def __init__(self, vocab=16, d=12, h=20, n_blocks=3, experts=4, skip=False):
+        super().__init__()
+        self.skip = skip
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(MoEBlock(d, h, experts) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for i, b in enumerate(self.blocks):
+            if not (self.skip and i == 1 and idx[0, 0] < 4):
+                x = b(x, idx)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def routed_batches(steps, world, per, seq=6, vocab=16, seed=4):
+    """Rank 0's tokens reach every expert, rank 1's only experts 0 and 1; in step 0 no token reaches
+    expert 3 on any rank (its parameters get no gradient at all: AdamW leaves them alone). A micro-batch
+    whose first token is below 4 skips block 1 (rank 0's never do; rank 1's in odd steps)."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(4, vocab, (steps, world * per, seq + 1), generator=g)
+    data[:, per:] = data[:, per:] // 4 * 4 + torch.randint(0, 2, data[:, per:].shape, generator=g)
+    data[0] -= (data[0] % 4 == 3).long()
+    data[1::2, per::2, 0] = torch.randint(0, 2, data[1::2, per::2, 0].shape, generator=g)
+    return data[..., :-1], data[..., 1:]
+
+
+def routed_reference(steps, world, per, accum, skip, lr=LR):
+    torch.manual_seed(0)
+    model = Routed(skip=skip)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    xs, ys = routed_batches(steps, world, per)
+    losses, norms, mb = [], [], per // accum
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(world):
+            for m in range(accum):
+                sl = slice(r * per + m * mb, r * per + (m + 1) * mb)
+                loss = model(xs[s, sl], ys[s, sl])
+                (loss / (world * accum)).backward()
+                total += loss.item() / (world * accum)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        losses.append(total)
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _routed_cases(rank, world, cases, steps, per):
+    out = {}
+    for stage, dtype, accum, offload, skip in cases:
+        torch.manual_seed(0)
+        cfg = zero.Config(stage=stage, dtype=dtype, lr=LR, accum_steps=accum, offload=offload, timeout_s=60)
+        engine = zero.Zero(Routed(skip=skip), cfg)
+        xs, ys = routed_batches(steps, world, per)
+        losses, norms, mb = [], [], per // accum
+        for s in range(steps):
+            total = 0.0
+            for m in range(accum):
+                sl = slice(rank * per + m * mb, rank * per + (m + 1) * mb)
+                loss = engine(xs[s, sl], ys[s, sl])
+                engine.backward(loss)
+                total += loss.item() / accum
+            t = torch.tensor(total)
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+            engine.step()
+            norms.append(engine.grad_norm)
+        out[(stage, dtype, accum, offload, skip)] = dict(losses=losses, norms=norms, oks=[True] * steps,
+                                                         sd=engine.full_state_dict(), comm=engine.comm())
+    return out if rank == 0 else None
+
+
+ROUTED = [(s, d, a, False, False) for s in range(4) for d in ("fp32", "bf16") for a in (1, 2)] \
+    + [(s, "fp32", 2, True, False) for s in (2, 3)] \
+    + [(s, "fp32", a, False, True) for s in range(4) for a in (1, 2)] + [(s, "bf16", 2, True, True) for s in (1, 3)]
+
+
+def test_experts_and_skipped_blocks_that_differ_between_ranks_train_exactly():
+    steps, per = 4, 4
+    res = spawn(_routed_cases, 2, ROUTED, steps, per)[0]
+    refs = {(a, sk): routed_reference(steps, 2, per, a, sk) for a in (1, 2) for sk in (False, True)}
+    torch.manual_seed(0)
+    init = Routed().state_dict()
+    # expert 3 of every block got no token in step 0: the reference's AdamW skipped it then
+    assert all(torch.equal(refs[(1, False)][2][k], init[k]) is False for k in init)
+    for case, r in res.items():
+        stage, dtype, accum, offload, skip = case
+        _check_parity(r, dtype, refs[(accum, skip)], f"routed {case}", init=init)
+
+
+# -----------------------------------------------------------------------------
+# stage 3 on models whose blocks pass tensors along or run several times: each unit is gathered
+# at most once for its forward and once for its backward per micro-batch
+
+class BiasBlock(nn.Module):
+    """T5's shape: the first block computes a bias from its own parameter; every block takes it as a
+    keyword argument and returns it again with its output."""
+    def __init__(self, d, h, first):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
+        self.table = nn.Parameter(torch.randn(d) * 0.1) if first else None
+
+    def forward(self, x, bias=None):
+        if bias is None:
+            bias = torch.tanh(self.table)
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x) + bias))), bias
+
+
+class PassThrough(nn.Module):
+    def __init__(self, vocab=29, d=16, h=40, n_blocks=6, reuse=False):
+        super().__init__()
+        self.reuse = reuse
+        self.emb, self.norm, self.head = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        n = 2 if reuse else n_blocks
+        self.blocks = nn.ModuleList(BiasBlock(d, h, i == 0) for i in range(n))
+
+    def forward(self, idx, targets):
+        x, bias = self.emb(idx), None
+        # ALBERT's shape (reuse): the second block is one layer called four times in a row
+        for b in [self.blocks[0]] + [self.blocks[1]] * 4 if self.reuse else self.blocks:
+            x, bias = b(x, bias=bias)
+        return F.cross_entropy(self.head(self.norm(x)).float().view(-1, 29), targets.reshape(-1))
+
+
+def _pass_through_case(rank, world, reuse, checkpoint):
+    torch.manual_seed(0)
+    engine = zero.Zero(PassThrough(reuse=reuse), zero.Config(stage=3, dtype="fp32", lr=LR, checkpoint=checkpoint))
+    xs, ys = make_batches(3, 4 * world)
+    per, calls = 4, []
+    real = engine._start_gather
+    engine._start_gather = lambda u: (calls.append(u.index) if not (u.gathered or u.gather_work) else None, real(u))
+    for s in range(3):
+        calls.clear()
+        engine.backward(engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]))
+        engine.step()
+    units = [u.padded for u in engine.units]
+    return dict(comm=engine.comm(), psi=engine.num_params(padded=True), root=engine.root.padded, calls=list(calls),
+                units=units, peak=engine.peak_gathered_bytes)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_stage3_gathers_each_unit_once_per_pass_whatever_the_blocks_pass_along(reuse):
+    for checkpoint in (False, True):
+        r = spawn(_pass_through_case, 2, reuse, checkpoint)[0]
+        f = (2 - 1) / 2
+        gathered = r["comm"]["all_gather"]["elements"]
+        assert gathered <= (2 * r["psi"] - r["root"]) * f, (reuse, checkpoint, gathered / (r["psi"] * f))
+        # every block: once for its forward, once for its backward; the root once (whole from forward to backward)
+        blocks = len(r["units"]) - 1
+        assert sorted(r["calls"]) == sorted(list(range(blocks)) * 2 + [blocks]), r["calls"]
+        # whole units held at once: the root, the running unit and the prefetched one
+        assert r["peak"] <= 4 * (r["root"] + 2 * max(r["units"][:-1])), r
+
+
+# -----------------------------------------------------------------------------
+# stage 3 never reads freed memory: a block that returns its own parameter, a parent that reads a
+# block's parameter; each stage in its own processes, so that a crash fails only this test
+
+class Scaled(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(d, d), nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return self.fc(x), self.scale       # the parameter itself, for the caller to use
+
+
+class OutOfPlace(nn.Module):
+    def __init__(self, vocab=29, d=14):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList([Scaled(d), Block(d, 24), Block(d, 24)])
+
+    def forward(self, idx, targets):
+        y, scale = self.blocks[0](self.emb(idx))
+        x = self.blocks[1](y * scale)
+        x = self.blocks[2](x + self.blocks[2].ln.weight)   # the parent reads a block's weight before it runs
+        return F.cross_entropy(self.head(x).view(-1, 29), targets.reshape(-1))
+
+
+def _out_of_place_case(rank, world):
+    out = []
+    for stage in range(4):
+        torch.manual_seed(0)
+        engine = zero.Zero(OutOfPlace(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+        xs, ys = make_batches(3, 2 * world)
+        for s in range(3):
+            engine.backward(engine(xs[s, 2 * rank:2 * rank + 2], ys[s, 2 * rank:2 * rank + 2]))
+            engine.step()
+        out.append(engine.full_state_dict())
+    return out
+
+
+def test_parameters_used_outside_their_block_at_every_stage():
+    torch.manual_seed(0)
+    ref = OutOfPlace()
+    opt = torch.optim.AdamW([dict(params=[p for p in ref.parameters() if p.dim() >= 2], weight_decay=0.1),
+                             dict(params=[p for p in ref.parameters() if p.dim() < 2], weight_decay=0.0)],
+                            lr=LR, betas=(0.9, 0.95))
+    xs, ys = make_batches(3, 4)
+    for s in range(3):
+        opt.zero_grad()
+        ref(xs[s], ys[s]).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+    for stage, sd in enumerate(spawn(_out_of_place_case, 2)[0]):   # a crash fails this test alone
+        for k, v in ref.state_dict().items():
+            assert torch.allclose(sd[k], v, atol=1e-5, rtol=1e-5), (stage, k, (sd[k] - v).abs().max())
+
+
+# -----------------------------------------------------------------------------
+# a divergence no schedule can make right (ranks re-running different blocks) is named at step(),
+# before anything changes
+
+class Rerun(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.again = TinyNet(n_blocks=3), None
+
+    def forward(self, idx, targets):
+        out = self.inner(idx, targets)
+        if self.again is not None:
+            with torch.no_grad():           # e.g. a data-dependent extra pass through one block
+                self.inner.blocks[self.again](self.inner.emb(idx))
+        return out["loss"]
+
+
+def _diverge_case(rank, world):
+    torch.manual_seed(0)
+    engine = zero.Zero(Rerun(), zero.Config(stage=3, dtype="fp32", lr=LR, timeout_s=30))
+    x, y = make_batches(2, 2 * world)
+    engine.backward(engine(x[0, 2 * rank:2 * rank + 2], y[0, 2 * rank:2 * rank + 2]))
+    engine.step()
+    before = _state(engine)
+    engine.module.again = rank              # rank 0 runs block 0 again, rank 1 block 1: same sizes
+    engine.backward(engine(x[1, 2 * rank:2 * rank + 2], y[1, 2 * rank:2 * rank + 2]))
+    with pytest.raises(RuntimeError, match="ranks ran different collectives") as e:
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(engine)))
+    return str(e.value)
+
+
+def test_ranks_that_ran_different_collectives_are_stopped_before_the_update():
+    for msg in spawn(_diverge_case, 2):
+        assert "inner.blocks.0" in msg and "inner.blocks.1" in msg, msg
+
+
+# -----------------------------------------------------------------------------
+# recompute on a model whose forward changes between the original and the replay
+
+class Cached(nn.Module):
+    """Fills a cache during its forward (as Hugging Face decoders do with use_cache=True): the replay
+    takes another path."""
+    def __init__(self, d=14):
+        super().__init__()
+        self.fc, self.cache = nn.Linear(d, d), []
+
+    def forward(self, x):
+        self.cache.append(1)
+        return torch.sin(self.fc(x)) if len(self.cache) == 1 else self.fc(x)
+
+
+def test_recompute_of_a_forward_that_changes_on_replay_says_what_to_do():
+    model = nn.Sequential(nn.Embedding(29, 14), nn.ModuleList([Cached()]))
+    model.forward = lambda idx: model[1][0](model[0](idx)).sum()
+    engine = zero.Zero(model, zero.Config(stage=2, dtype="fp32", checkpoint=True))
+    with pytest.raises(RuntimeError, match="use_cache=False") as e:
+        engine.backward(engine(torch.tensor([[1, 2, 3]])))
+    assert isinstance(e.value.__cause__, torch.utils.checkpoint.CheckpointError)
+
+
+# -----------------------------------------------------------------------------
+# requires_grad changed after wrapping: a frozen parameter stops changing (as with torch's AdamW),
+# one unfrozen again trains on; one frozen at wrapping and unfrozen later is refused by name
+
+def _freeze_cases(rank, world):
+    return [_freeze_case(rank, world, stage) for stage in range(4)]
+
+
+def _freeze_case(rank, world, stage):
+    engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+    model, xs, ys = engine.module, *make_batches(5, 2 * world)
+    for s in range(5):
+        for p in (model.blocks[0].fc1.weight, model.blocks[1].ln.bias):
+            p.requires_grad_(s not in (1, 2, 3))    # frozen for three steps
+        engine.backward(engine(xs[s, 2 * rank:2 * rank + 2], ys[s, 2 * rank:2 * rank + 2])["loss"])
+        engine.step()
+    sd = engine.full_state_dict()
+    model.gain.requires_grad_(True)         # frozen when wrapped
+    engine.backward(engine(xs[0, 2 * rank:2 * rank + 2], ys[0, 2 * rank:2 * rank + 2])["loss"])
+    with pytest.raises(RuntimeError, match=r"\['gain'\] were frozen when zero.Zero wrapped the model"):
+        engine.step()
+    return sd
+
+
+def test_freezing_after_wrapping_and_unfreezing_at_every_stage():
+    model = make_model()
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
+                            lr=LR, betas=(0.9, 0.95))
+    xs, ys = make_batches(5, 4)
+    for s in range(5):
+        for p in (model.blocks[0].fc1.weight, model.blocks[1].ln.bias):
+            p.requires_grad_(s not in (1, 2, 3))
+        opt.zero_grad()
+        model(xs[s], ys[s])["loss"].backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+        opt.step()
+    for stage, sd in enumerate(spawn(_freeze_cases, 2)[0]):
+        for k, v in model.state_dict().items():
+            assert torch.allclose(sd[k], v.float(), atol=1e-5, rtol=1e-5), (stage, k, (sd[k] - v).abs().max())
 
 
 # -----------------------------------------------------------------------------

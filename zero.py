@@ -11,9 +11,11 @@ communication ledger. The same code runs on CUDA with NCCL and on CPU with gloo.
     rank, world_size, device = zero.init_distributed()
     engine = zero.Zero(model, zero.Config(stage=3, dtype="bf16"))
     loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()
+    with torch.device("meta"): big = Model()          # bigger than one rank: built unit by unit in Zero
+    engine = zero.Zero(big, cfg, init_fn=big.init_weights); engine.load_state_dict(torch.load(f, mmap=True))
 
     torchrun --standalone --nproc_per_node=2 train_gpt.py --stage=3
-    python zero.py estimate --params 7.5e9 --world-size 64
+    python zero.py estimate --params 7.5e9 --world-size 64 [--shard-group 8]
     python zero.py consolidate CKPT_DIR OUT.pt
 
 Sections, in the order data flows:
@@ -29,9 +31,11 @@ Sections, in the order data flows:
 
 import argparse
 import atexit
+import collections
 import datetime
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -66,6 +70,8 @@ class Config:
     accum_steps: int = 1            # micro-batches (backward calls) per optimizer step
     checkpoint: object = False      # recompute activations: False | True (every unit) | k (every k-th unit)
     offload: bool = False           # ZeRO-Offload: master weights, Adam moments, grad shard on the host (stages 1-3)
+    shard_group: int = 0            # hybrid sharding: shard across groups of this many consecutive ranks (a node),
+                                    # replicate across the groups; 0 = all ranks (stages 1-3)
     prefetch: bool = True           # stage 3: start the next unit's all-gather while this one computes
     loss_scale: float = 2.0 ** 16   # fp16: initial dynamic loss scale
     loss_scale_window: int = 1000   # fp16: clean steps before the scale doubles
@@ -92,6 +98,9 @@ class Config:
             bad(f"betas={self.betas!r}", "use two numbers in [0, 1), e.g. (0.9, 0.95)")
         if self.hysteresis < 1 or self.loss_scale_window < 1 or self.min_loss_scale <= 0:
             bad("hysteresis and loss_scale_window must be >= 1, min_loss_scale > 0", "check the fp16 settings")
+        if not (isinstance(self.shard_group, int) and self.shard_group >= 0) or (self.stage == 0 and self.shard_group):
+            bad(f"shard_group={self.shard_group!r} at stage {self.stage}", "use 0 (all ranks), or k >= 1 ranks per "
+                "shard group at stages 1-3 (stage 0 shards nothing)")
         if self.timeout_s <= 0:
             bad(f"timeout_s={self.timeout_s!r}", "use a positive number of seconds")
         return self
@@ -125,59 +134,104 @@ def init_distributed(timeout_s=300.0):
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) have only the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_GROUPS = {}   # (ranks, purpose, world) -> process group, made once per process and shared by its engines
+
+
+def _new_group(ranks, purpose, local):
+    key = (tuple(ranks), purpose, id(dist.group.WORLD))
+    if key not in _GROUPS:
+        # an engine on the whole world: every rank makes every group, in one order (dist.new_group is a
+        # collective); an engine on a group the user gave: only that group's ranks take part
+        _GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=local)
+    return _GROUPS[key]
 
 
 class Comm:
-    """The engine's collectives. Every call is asynchronous, waited on with a timeout, and
-    recorded in a ledger of what this rank sends, counted as the ring algorithms do:
-    all-reduce 2M(N-1)/N, reduce-scatter and all-gather M(N-1)/N for M elements in all."""
+    """The engine's collectives, each on the process group of its purpose:
 
-    def __init__(self, timeout_s):
-        self.dist = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size() if self.dist else 1
-        self.rank = dist.get_rank() if self.dist else 0
+      gather    all-gathers of the parameters, inside the rank's shard group
+      reduce    reduce-scatters of the gradients (stage 0: all-reduces), inside the shard group
+      replica   the reduced gradient shard summed across shard groups, once per step (hybrid sharding)
+      world     every rank of the engine: the step's scalars, setup, broadcasts and checks
+
+    Gathers and reductions get process groups of their own, so that each kind keeps one order on every
+    rank even where ranks finish their gradients at different times (a reduction launched late on one
+    rank can then never pair with another rank's gather). Every call is asynchronous, waited on with a
+    timeout, and recorded in a ledger of what this rank sends, counted as ring algorithms do:
+    all-reduce 2M(n-1)/n, reduce-scatter and all-gather M(n-1)/n, for M elements on n ranks."""
+
+    def __init__(self, timeout_s, group=None, shard_group=0):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.ledger = {}
+        up = dist.is_available() and dist.is_initialized()
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if up else [0]
+        self.world = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank()) if up else 0
+        k = shard_group or self.world
+        if self.world % k:
+            raise ValueError(f"zero.Config: shard_group={k} does not divide the {self.world} ranks; use a divisor "
+                             "(the ranks of one node, LOCAL_WORLD_SIZE, is the usual choice)")
+        # shard group: k consecutive ranks that together hold one copy of the model states; replica group:
+        # the ranks holding the same shard, one in each shard group
+        self.shards, self.shard_rank, self.replica, self.replicas = k, self.rank % k, self.rank // k, self.world // k
+        self.groups = {"world": (group, self.world)}
+        shard_sets = [self.ranks[i:i + k] for i in range(0, self.world, k)]
+        sets = dict(gather=shard_sets, reduce=shard_sets, replica=[self.ranks[j::k] for j in range(k)])
+        for purpose, subsets in sets.items():
+            for s in subsets:
+                pg = _new_group(s, purpose, group is not None) if len(s) > 1 else None
+                if self.ranks[self.rank] in s:
+                    self.groups[purpose] = (pg, len(s))
 
-    def _log(self, kind, t, ring_factor):
-        # what a ring sends from this rank: each of N-1 hops carries 1/N of the tensor (twice for all-reduce);
-        # units are padded to a multiple of N, so this is exact
-        calls, elems, nbytes = self.ledger.get(kind, (0, 0, 0))
-        e = t.numel() * ring_factor * (self.world - 1) // self.world
-        self.ledger[kind] = (calls + 1, elems + e, nbytes + e * t.element_size())
+    def _log(self, kind, t, ring_factor, n):
+        # what a ring sends from this rank: each of n-1 hops carries 1/n of the tensor (twice for all-reduce);
+        # units are padded to a multiple of n, so this is exact
+        self.count(kind, t.numel() * ring_factor * (n - 1) // n, t.element_size())
+
+    def count(self, kind, elems, elem_size):
+        calls, e, b = self.ledger.get(kind, (0, 0, 0))
+        self.ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
 
     def wait(self, work):
         # a bounded wait: a dead or diverged rank becomes an error here, not a hang
-        if work is not None and not work.wait(self.timeout):
+        try:
+            done = work is None or work.wait(self.timeout)
+        except RuntimeError as e:   # gloo: sizes that do not match, a peer that closed its connection
+            raise RuntimeError("zero: a collective failed: another rank died or ran a different collective") from e
+        if not done:
             raise RuntimeError(f"zero: a collective did not finish in {self.timeout}; another rank died or "
                                "took another code path (raise Config.timeout_s if it is just slow)")
 
-    def all_reduce(self, t, op=dist.ReduceOp.SUM, kind="all_reduce", sync=True):
-        self._log(kind, t, 2)
+    def all_reduce(self, t, purpose="world", kind="scalar", sync=True, op=dist.ReduceOp.SUM):
+        pg, n = self.groups[purpose]
+        self._log(kind, t, 2, n)
         # async always: callers overlap it with backward, or wait at once (sync=True)
-        work = dist.all_reduce(t, op=op, async_op=True) if self.world > 1 else None
+        work = dist.all_reduce(t, op=op, group=pg, async_op=True) if n > 1 else None
         return self.wait(work) if sync else work
 
     def reduce_scatter(self, out, inp, kind="reduce_scatter", sync=True):
-        # out may be inp's own slice [rank*S, (rank+1)*S): NCCL and gloo both reduce in place
-        return self._flat(_reduce_scatter, out, inp, inp, kind, sync)
+        # out may be inp's own slice [r*S, (r+1)*S): NCCL and gloo both reduce in place
+        return self._flat(_reduce_scatter, out, inp, inp, "reduce", kind, sync)
 
-    def all_gather(self, out, inp, kind="all_gather", sync=True):
+    def all_gather(self, out, inp, kind="all_gather", sync=True, purpose="gather"):
         # inp may be out's own slice: an in-place gather straight into the parameters' storage
-        return self._flat(_all_gather, out, inp, out, kind, sync)
+        return self._flat(_all_gather, out, inp, out, purpose, kind, sync)
 
-    def _flat(self, collective, out, inp, whole, kind, sync):
-        self._log(kind, whole, 1)
-        if self.world == 1:                 # one rank: its slice is the whole tensor
+    def _flat(self, collective, out, inp, whole, purpose, kind, sync):
+        pg, n = self.groups[purpose]
+        self._log(kind, whole, 1, n)
+        if n == 1:                          # one rank: its slice is the whole tensor
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return None
-        work = collective(out, inp, async_op=True)
+        work = collective(out, inp, group=pg, async_op=True)
         return self.wait(work) if sync else work
 
-    def broadcast(self, t, src=0):
-        if self.world > 1:
-            self.wait(dist.broadcast(t, src, async_op=True))
+    def broadcast(self, t):
+        # from the engine's first rank to all of its ranks
+        pg, n = self.groups["world"]
+        if n > 1:
+            self.wait(dist.broadcast(t, self.ranks[0], group=pg, async_op=True))
 
 
 # -----------------------------------------------------------------------------
@@ -293,16 +347,19 @@ def find_units(model):
 class Unit:
     """Parameters that share one flat buffer, one collective and one shard.
 
-    flat        the whole unit in the compute dtype, padded to a multiple of the world size;
+    flat        the whole unit in the compute dtype, padded to a multiple of the shard group's size;
                 every parameter is a view into it (stage 3: storage freed between uses)
     lo, hi      the range of flat this rank's optimizer owns (stage 0: all of it)
     shard       stage 3: this rank's persistent slice of the parameters (the all-gather input)
     grad        the whole gradient (stages 0-1: kept; stages 2-3: only while it is reduced)
     grad_shard  the owned slice of the reduced gradient (host with offload)
     master, exp_avg, exp_avg_sq   fp32 owned slice and Adam moments (host with offload)
+    segments    (a, b, i): the owned piece [a, b) of parameter i, relative to lo
+    steps       AdamW steps per parameter: one without a gradient anywhere skips the step, as in torch
+    group       index of each parameter's param group (its lr, betas, eps, weight decay)
     """
 
-    def __init__(self, index, module, named_params, world, rank, stage):
+    def __init__(self, index, module, named_params, shards, shard_rank, stage):
         self.index, self.module = index, module
         # the layout: parameter i lives at flat[offsets[i] : offsets[i] + numel], in named_parameters order
         self.names = [n for n, _ in named_params]
@@ -312,43 +369,34 @@ class Unit:
             self.offsets.append(off)
             off += p.numel()
         self.numel = off
-        # padding to a multiple of N gives every rank an equal shard, as the collectives require
-        self.padded = -(-off // world) * world
-        size = self.padded // world
-        self.lo, self.hi = (0, self.padded) if stage == 0 else (rank * size, (rank + 1) * size)
-        # owned ranges with and without weight decay (decay on >= 2-dim params only), merged when adjacent
-        # a shard cuts across parameters, so AdamW runs once per run of equal decay inside it
-        self.decay_runs = []
-        for p, o in zip(self.params, self.offsets):
-            a, b = max(o, self.lo), min(o + p.numel(), self.hi)
-            if a < b:
-                self.add_run(a - self.lo, b - self.lo, p.dim() >= 2)
-        if self.padded > self.numel and self.numel < self.hi:  # padding is zero and stays zero
-            self.add_run(max(self.numel, self.lo) - self.lo, self.hi - self.lo, False)
+        # padding to a multiple of the shard group gives every rank an equal shard, as the collectives require
+        self.padded = -(-off // shards) * shards
+        size = self.padded // shards
+        self.lo, self.hi = (0, self.padded) if stage == 0 else (shard_rank * size, (shard_rank + 1) * size)
+        self.segments = [(max(o, self.lo) - self.lo, min(o + p.numel(), self.hi) - self.lo, i)
+                         for i, (p, o) in enumerate(zip(self.params, self.offsets))
+                         if max(o, self.lo) < min(o + p.numel(), self.hi)]
+        self.steps, self.group = [0] * len(self.params), [0] * len(self.params)
         # the tensors themselves are made by Zero._build, which knows the stage, dtype and device
         self.flat = self.shard = self.grad = self.grad_shard = None
         self.master = self.exp_avg = self.exp_avg_sq = None
         self.staging = None         # offload on CUDA: pinned 16-bit copy of the owned slice
         self.gather_work = None     # the all-gather in flight, if any
         self.gathered = True        # flat holds every rank's current values
-        self.seen = set()           # params whose gradient arrived in this accumulation window
-        self.arrived = 0            # gradients that arrived in this micro-batch
-        self.reduced = False        # this micro-batch's collective was launched
+        self.keep = False           # stage 3: a parameter is used outside the unit's forward: whole until backward ends
+        self.written = set()        # params whose gradient is in `grad` (the first copies, later ones add)
+        self.got = set()            # params that got a gradient in this accumulation window
+        self.expected = self.arrived = 0   # gradients this backward waits for / has had
+        self.ready = self.done = False     # all expected gradients are in / every parameter's is
         self.updated = threading.Event()   # offload: the host update of this unit is done
         self.updated.set()
-
-    def add_run(self, a, b, decay):
-        # adjacent runs with the same decay merge: fewer, longer kernel calls
-        if self.decay_runs and self.decay_runs[-1][1] == a and self.decay_runs[-1][2] == decay:
-            a = self.decay_runs.pop()[0]
-        self.decay_runs.append((a, b, decay))
 
 
 # -----------------------------------------------------------------------------
 # 6. Engine
 #
 # What each stage keeps whole, and the model states it leaves per rank (Ψ params, N ranks, 16-bit
-# compute with K = 12 bytes of fp32 Adam state per parameter):
+# compute with K = 12 bytes of fp32 Adam state per parameter; with hybrid sharding N is the shard group):
 #
 #   stage  parameters              gradients                         master + Adam   bytes per rank
 #   0      whole                   whole, all-reduced in backward    whole           (2 + 2 + K) Ψ
@@ -360,33 +408,58 @@ class Unit:
 # (each unit's gradient is reduced as soon as it is complete; stage 3 gathers again first) ->
 # step (global norm, overflow check, clip, AdamW on the owned slice, 16-bit slice rewritten,
 # stages 1-2 all-gather it). Every stage difference in the code below is an `if` on cfg.stage.
+#
+# One order of collectives on every rank, whatever the data: a rank whose batch skips a block or
+# reaches fewer experts must still pair each collective with the same one on every other rank.
+# So units are gathered in a fixed schedule (`order`: the forward's; reversed for the backward), a
+# unit this rank skipped being gathered and freed at once in its turn, and reductions launch in a
+# fixed order too, each once all before it have launched. The step compares a fingerprint of every
+# rank's collectives before anything changes.
+
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """torch's face of the engine's AdamW: param_groups that LR schedulers and user code read and
+    write (the engine reads them at every step); step() is engine.step(); zero_grad() has nothing to do."""
+
+    def __init__(self, engine, groups, defaults):
+        self.engine = engine
+        super().__init__(groups, defaults)
+
+    def step(self, closure=None):
+        return self.engine._step()
+
+    def zero_grad(self, set_to_none=True):
+        pass                                # the engine moves each gradient into its flat buffer as it arrives
+
 
 class Zero:
     """Wraps a model: shards it in place into units, hooks its forward and backward, and
     steps AdamW on this rank's shard. Call it like the model, then backward(loss), then step()."""
 
-    def __init__(self, model, cfg=None, units=None):
+    def __init__(self, model, cfg=None, units=None, init_fn=None, param_groups=None, group=None):
         # a bad config fails here, before any collective or allocation
         self.cfg = cfg = (cfg or Config()).validate()
-        self.net = Comm(cfg.timeout_s)
+        self.net = Comm(cfg.timeout_s, group, cfg.shard_group)
         self.rank, self.world = self.net.rank, self.net.world
         self.dtype = DTYPES[cfg.dtype]
         self.device = _engine_device()
         self.module = model
         self.scaler = LossScaler(cfg)
-        # the caller may change lr between steps (a schedule); step_count counts applied steps only
-        self.lr, self.step_count, self.grad_norm = cfg.lr, 0, 0.0
+        self.step_count, self.grad_norm = 0, 0.0   # step_count counts applied steps only
         self.micro = 0                      # backward calls since the last step
         self.in_flight = []                 # gradient collectives launched and not yet finished
         self.peak_gathered_bytes = 0        # stage 3: the most bytes of whole units held at once
         self.last_comm = {}
-        # units in the order the forward ran them: prefetching and the offload update follow it
-        self.fwd_order, self.last_fwd_order = [], []
+        self.fwd_next = self.bwd_next = self.launch_next = 0   # the schedules' cursors (see above)
+        self.running = self.last_ran = self.check = None
         # where the shard state (master, moments, gradient shard) lives: the device, or the host with offload
         self.host = torch.device("cpu") if cfg.offload else self.device
         self.pin = cfg.offload and torch.cuda.is_available()  # pinning needs CUDA; same code path without it
         # fp32 compute without offload: the parameters are the master weights, no second copy
         self.master_is_param = self.dtype == torch.float32 and not cfg.offload
+        self.names = {id(m): n for n, m in model.named_modules()}
 
         # -- which parameter goes to which unit: a parameter used by several units goes to the root
         unit_modules = list(units) if units is not None else find_units(model)
@@ -397,6 +470,7 @@ class Zero:
                 owners.setdefault(id(p), set()).add(i)
         # frozen parameters get no gradient and no optimizer state, so they join no unit
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         if not trainable:
             raise ValueError("zero.Zero: the model has no trainable parameters (requires_grad=True); "
                              "pass the model you mean to train")
@@ -405,70 +479,176 @@ class Zero:
         for n, p in trainable:
             o = owners.get(id(p), set())
             groups[next(iter(o)) if len(o) == 1 else -1].append((n, p))
-        modules = unit_modules + [model]
-        self.units = []
-        for m, g in zip(modules, groups):
+        shards, shard_rank = (self.net.shards, self.net.shard_rank) if cfg.stage else (self.world, self.rank)
+        self.units, unit_of = [], {}
+        for m, g in zip(unit_modules + [model], groups):
             if g:                           # a block with only frozen parameters is no unit
-                self.units.append(Unit(len(self.units), m, g, self.world, self.rank, cfg.stage))
+                unit_of[id(m)] = Unit(len(self.units), m, g, shards, shard_rank, cfg.stage)
+                self.units.append(unit_of[id(m)])
         self.root = self.units[-1] if groups[-1] else None
+        # the schedules: blocks in forward order, reversed for backward; reductions end with the root
+        self.order = [u for u in self.units if u is not self.root]
+        self.rorder = self.order[::-1]
+        self.launch_order = self.rorder + ([self.root] if self.root else [])
+        for j, u in enumerate(self.order):
+            u.pos, u.rpos = j, len(self.order) - 1 - j
+        self.optimizer = self._make_optimizer(param_groups)
         # before the first collective that depends on the layout: mismatched ranks would hang in it
-        self._check_ranks_agree(model)
+        self._check_ranks_agree()
 
-        # -- frozen parameters and buffers: cast, move, and take rank 0's values
-        # (they are not model states of the formula: they stay whole on every rank, in the compute dtype)
-        for m in model.modules():
-            for n, p in m.named_parameters(recurse=False):
-                if not p.requires_grad:
-                    p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
-                    self.net.broadcast(p.data)
-            for n, b in m.named_buffers(recurse=False):
-                m._buffers[n] = b.to(self.device, self.dtype if b.is_floating_point() else b.dtype)
-                self.net.broadcast(m._buffers[n])
-
-        # -- flat buffers and this rank's shard state, built unit by unit from rank 0's fp32 weights
-        for u in self.units:
-            self._build(u)
+        # -- one unit at a time: a model built on the meta device becomes real here, then its unit is
+        # sharded and the rest freed, so no rank ever holds the whole model
+        stop, self.made, self.placed = {id(m) for m in unit_modules}, set(), {}
+        for m in unit_modules + [model]:
+            mods = list(_post_order(m, stop - {id(m)}))   # the root: every module outside the units
+            self._materialize(mods, init_fn)
+            self._place_frozen(mods)
+            if id(m) in unit_of:
+                self._build(unit_of[id(m)])
 
         # -- hooks
         # a gradient hook per parameter (fires once per backward, after autograd summed all its uses);
-        # forward hooks per unit, for stage 3 gathering, offload waits and the forward order
+        # forward hooks per unit, for stage 3 gathering and offload waits
         for u in self.units:
             for i, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, i))
-            if u is not self.root or cfg.stage == 3 or cfg.offload:
-                u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u))
-                u.module.register_forward_hook(functools.partial(self._post_forward, u))
+        if cfg.stage == 3 or cfg.offload:
+            model.register_forward_pre_hook(self._begin_forward)
+            model.register_forward_hook(self._end_forward)
+            for u in self.order:
+                u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u), with_kwargs=True)
+                u.module.register_forward_hook(functools.partial(self._post_forward, u), with_kwargs=True)
         # recompute every k-th block unit (the root holds embeddings and head: nothing worth recomputing)
         k = 1 if cfg.checkpoint is True else cfg.checkpoint
-        if k:
-            for j, u in enumerate(x for x in self.units if x is not self.root):
-                if j % k == 0:
-                    # non-reentrant recompute keeps dropout's RNG state and runs inside the unit's hooks,
-                    # so at stage 3 the unit is gathered again before its recompute
-                    u.module.forward = functools.partial(recompute, u.module.forward, use_reentrant=False)
+        for j, u in enumerate(self.order if k else []):
+            if j % k == 0:
+                # non-reentrant recompute keeps dropout's RNG state and runs inside the unit's hooks,
+                # so at stage 3 the unit is gathered again before its recompute
+                u.module.forward = functools.partial(recompute, u.module.forward, use_reentrant=False)
+        # the model's own state_dict would hold shards or stale 16-bit copies: both go through the engine
+        model.state_dict, model.load_state_dict = self._refuse_state_dict, self.load_state_dict
         self.ledger_reset()
         self.worker = self.worker_error = None
+        self.checked = cfg.stage != 3       # stage 3 checks its first forward for parameters used out of place
 
-    def _check_ranks_agree(self, model):
+    def _make_optimizer(self, param_groups):
+        """torch's param groups, each parameter's group index recorded in its unit. Parameters in no
+        group take Config's values, with weight decay on those of >= 2 dims only (two more groups)."""
+        c = self.cfg
+        defaults = dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
+        where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        name = {id(p): n for u in self.units for n, p in zip(u.names, u.params)}
+        name.update({id(p): n for n, p in self.frozen})
+        groups = list(param_groups or [])
+        if groups and not isinstance(groups[0], dict):
+            groups = [dict(params=groups)]  # a plain list of parameters: one group, as torch takes it
+        out, seen = [], {}
+        for j, g in enumerate(groups):
+            extra = set(g) - {"params", *GROUP_KEYS}
+            if extra:
+                raise ValueError(f"zero.Zero: param_groups[{j}] has unknown keys {sorted(extra)}; zero's AdamW "
+                                 f"takes {['params', *GROUP_KEYS]}")
+            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+            for p in ps:
+                if id(p) not in where:
+                    what = f"'{name[id(p)]}', which does not require grad" if id(p) in name else \
+                        f"a tensor of shape {tuple(p.shape)} that is not a parameter of the model"
+                    raise ValueError(f"zero.Zero: param_groups[{j}] holds {what}; list only the model's "
+                                     "trainable parameters")
+                if id(p) in seen and seen[id(p)] != j:
+                    raise ValueError(f"zero.Zero: parameter '{name[id(p)]}' is in param_groups {seen[id(p)]} and "
+                                     f"{j}; give each parameter one group")
+                seen[id(p)] = j
+            out.append(dict(g, params=list(dict.fromkeys(ps))))
+        rest = [u.params[i] for u, i in where.values() if id(u.params[i]) not in seen]
+        out += [dict(params=[p for p in rest if p.dim() >= 2]),
+                dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0)]
+        out = out[:len(groups)] + [g for g in out[len(groups):] if g["params"]]
+        for j, g in enumerate(out):
+            for p in g["params"]:
+                u, i = where[id(p)]
+                u.group[i] = j
+        return ZeroOptimizer(self, out, defaults)
+
+    def _check_ranks_agree(self):
         """Ranks that disagree on the config or the model would hang in mismatched collectives:
         compare a fingerprint of both first, and name what differs."""
         if self.world == 1:
             return
         c = self.cfg
-        layout = ";".join(f"{u.index}:{n}:{tuple(p.shape)}" for u in self.units for n, p in zip(u.names, u.params))
+        layout = ";".join(f"{u.index}:{n}:{tuple(p.shape)}:{u.group[i]}" for u in self.units
+                          for i, (n, p) in enumerate(zip(u.names, u.params)))
         fields_ = dict(stage=c.stage, dtype=list(DTYPES).index(c.dtype), accum_steps=c.accum_steps,
-                       offload=int(c.offload), checkpoint=int(c.checkpoint), units=len(self.units),
-                       params=sum(u.numel for u in self.units), layout=zlib.crc32(layout.encode()),
-                       config=zlib.crc32(repr(asdict(c)).encode()))
+                       offload=int(c.offload), checkpoint=int(c.checkpoint), shard_group=c.shard_group,
+                       units=len(self.units), params=sum(u.numel for u in self.units),
+                       layout=zlib.crc32(layout.encode()), config=zlib.crc32(repr(asdict(c)).encode()))
         mine = torch.tensor(list(fields_.values()), dtype=torch.int64, device=self.device)
         every = torch.empty(self.world * len(mine), dtype=torch.int64, device=self.device)
-        self.net.all_gather(every, mine, kind="setup")
+        self.net.all_gather(every, mine, kind="setup", purpose="world")
         every = every.view(self.world, -1).tolist()
         for r, row in enumerate(every):
             diff = [f"{k}: rank 0 has {a}, rank {r} has {b}" for k, a, b in zip(fields_, every[0], row) if a != b]
             if diff:
                 raise ValueError("zero.Zero: ranks disagree (" + "; ".join(diff) + "); launch every rank with "
                                  "the same model and the same zero.Config")
+
+    # -- building: meta tensors made real, frozen parameters and buffers placed, units sharded
+
+    def _materialize(self, mods, init_fn):
+        """Parameters and buffers of `mods` on the meta device become real tensors on the engine's device
+        (the same Python objects, so tied weights stay tied), initialized by init_fn(module) for each module,
+        or by each module's own reset_parameters(). Anything left uninitialized is an error."""
+        made = []
+        for m in mods:
+            for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                if t.is_meta and id(t) not in self.made:
+                    new = torch.empty_like(t, device=self.device)
+                    # a marker that no initializer writes: what still holds it afterwards was never initialized
+                    if t.is_floating_point():
+                        new.fill_(float("nan"))
+                    elif t.dtype != torch.bool:
+                        new.fill_(torch.iinfo(t.dtype).min)
+                    torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter)
+                                             else new)
+                    made.append((m, n))
+                    self.made.add(id(t))
+        if not made:
+            return
+        with torch.no_grad():
+            for m in dict.fromkeys(m for m, _ in made) if init_fn is None else mods:
+                if init_fn is not None:
+                    init_fn(m)
+                elif callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+        for m, n in made:
+            t = getattr(m, n)
+            if t.is_meta or (t.is_floating_point() and t.isnan().any()) or \
+                    (t.dtype != torch.bool and not t.is_floating_point() and (t == torch.iinfo(t.dtype).min).all()):
+                how = "init_fn did not initialize it" if init_fn else \
+                    f"{type(m).__name__} has no reset_parameters() that does"
+                raise ValueError(f"zero.Zero: '{self._name(m, n)}' was built on the meta device and {how}; pass "
+                                 "init_fn=fn, called as fn(module) on every module of the model, that sets it")
+
+    def _place_frozen(self, mods):
+        # frozen parameters and buffers are not model states of the formula: they stay whole on every rank,
+        # in the compute dtype, with rank 0's values (each tensor once, however many modules share it)
+        cast = lambda t: t.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
+        for m in mods:
+            for n, p in m.named_parameters(recurse=False):
+                if not p.requires_grad and id(p) not in self.placed:
+                    p.data = cast(p.data)
+                    self.net.broadcast(p.data)
+                    self.placed[id(p)] = p
+            for n, b in m.named_buffers(recurse=False):
+                if id(b) not in self.placed:
+                    self.placed[id(b)] = new = cast(b)
+                    self.placed[id(new)] = new
+                    self.net.broadcast(new)
+                m._buffers[n] = self.placed[id(b)]
+
+    def _name(self, module, attr):
+        prefix = self.names.get(id(module), "")
+        return f"{prefix}.{attr}" if prefix else attr
 
     def _build(self, u):
         cfg, dev = self.cfg, self.device
@@ -486,8 +666,8 @@ class Zero:
             p.data = u.flat[o:o + p.numel()].view(p.shape)
         pin = dict(pin_memory=True) if self.pin else {}
 
-        def state(src=None):
-            t = torch.empty(u.hi - u.lo, dtype=torch.float32, device=self.host, **pin)
+        def state(src=None, dtype=torch.float32):
+            t = torch.empty(u.hi - u.lo, dtype=dtype, device=self.host, **pin)
             return t.copy_(src) if src is not None else t.zero_()
         u.master = None if self.master_is_param else state(full[u.lo:u.hi])
         u.exp_avg, u.exp_avg_sq = state(), state()
@@ -501,13 +681,11 @@ class Zero:
         if cfg.stage <= 1:                  # the whole gradient stays; stage 1 owns a slice of it
             u.grad = torch.zeros(u.padded, dtype=self.dtype, device=dev)
             u.grad_shard = u.grad[u.lo:u.hi]
-        if cfg.stage >= 2 or cfg.offload:
-            # offload keeps it in fp32: converted as it arrives during backward, not in the update's path
-            gdt = torch.float32 if cfg.offload else self.dtype
-            u.grad_shard = torch.zeros(u.hi - u.lo, dtype=gdt, device=self.host, **pin)
+        if cfg.stage >= 2 or cfg.offload:   # in the compute dtype, as the paper counts it (host with offload)
+            u.grad_shard = state(dtype=self.dtype)
         del full
 
-    # -- stage 3 gathering: the flat buffer's storage is resized, the parameter views stay valid
+    # -- gathering: the flat buffer's storage is resized, the parameter views stay valid
 
     def _start_gather(self, u):
         if u.gathered or u.gather_work is not None:
@@ -517,6 +695,7 @@ class Zero:
             u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
             held = sum(x.flat.untyped_storage().nbytes() for x in self.units)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
+        self.trace["gather"].append(u.index)
         # stage 3 gathers from its shard; offload at stages 1-2 from the freshly updated owned slice
         u.gather_work = self.net.all_gather(u.flat, self._owned_params(u), sync=False)
         if u.gather_work is None:
@@ -524,64 +703,112 @@ class Zero:
 
     def _gather(self, u):
         # start it (if no prefetch did) and wait for it: after this, u's parameters are whole and current
+        if u.gathered:
+            return
+        self._wait_update(u)
         self._start_gather(u)
         if u.gather_work is not None:
             self.net.wait(u.gather_work)
             u.gather_work, u.gathered = None, True
 
+    def _prefetch(self, u):
+        # start u's gather now, so it travels while the current unit computes (with offload, only if the
+        # worker is done with u: waiting here would undo the overlap)
+        if self.cfg.prefetch and u.updated.is_set():
+            self._start_gather(u)
+
     def _free(self, u):
-        assert u.gather_work is None
         # the memory goes back; the parameters (and autograd's saved references) keep pointing at this storage
+        assert u.gather_work is None
         u.flat.untyped_storage().resize_(0)
         u.gathered = False
 
-    def _neighbour(self, u, delta, order):
-        # the unit that ran just after (delta=+1) or before (-1) u in a recorded forward: the one to prefetch
-        if u.index in order:
-            j = order.index(u.index) + delta
-            if 0 <= j < len(order):
-                return self.units[order[j]]
-        return None
+    def _release(self, u):
+        # stage 3: a unit done with for now is freed, unless it must stay whole (the root, escaped parameters)
+        if self.cfg.stage == 3 and u.gathered and u is not self.root and not u.keep:
+            self._free(u)
 
-    # -- forward hooks
+    def _forward_to(self, u):
+        """Forward schedule: every unit before u in `order` that this rank did not run is gathered (and
+        freed) in its turn, as the ranks that do run it gather it; then u. u=None: to the end."""
+        end = u.pos if u is not None else len(self.order) - 1
+        while self.fwd_next <= end:
+            v = self.order[self.fwd_next]
+            self.fwd_next += 1
+            self._gather(v)
+            if v is not u:
+                self._release(v)
+        if u is not None:
+            if not u.gathered:              # a unit run a second time in this forward
+                self._gather(u)
+            if self.fwd_next < len(self.order):
+                self._prefetch(self.order[self.fwd_next])
 
-    def _pre_forward(self, u, module, args):
-        if u.index in self.fwd_order:       # a new forward: keep the last one's order for prefetching
-            self.last_fwd_order, self.fwd_order = self.fwd_order, []
-        self.fwd_order.append(u.index)
-        if self.cfg.offload:
-            self._wait_update(u)
-        if self.cfg.stage == 3 or self.cfg.offload:
+    def _backward_to(self, u):
+        """Backward schedule, the same in reverse order; u=None: to the end."""
+        end = u.rpos if u is not None else len(self.rorder) - 1
+        while self.bwd_next <= end:
+            v = self.rorder[self.bwd_next]
+            self.bwd_next += 1
+            self._gather(v)
+            if v is not u:
+                self._release(v)
+        if u is not None:
+            if not u.gathered:              # out of turn (its turn passed, and it was freed)
+                self._gather(u)
+            if self.bwd_next < len(self.rorder):
+                self._prefetch(self.rorder[self.bwd_next])
+
+    # -- forward hooks (stage 3 and offload)
+
+    def _begin_forward(self, model, args):
+        self.fwd_next, self.last_ran = 0, None
+        # the root, and units whose parameters are used outside their forward, stay whole through backward
+        for u in [u for u in self.units if u is self.root or u.keep]:
             self._gather(u)
-            # start the next unit's gather now, so it travels while this unit computes (with offload,
-            # only if the worker is done with it: waiting here would undo the overlap)
-            nxt = self._neighbour(u, +1, self.last_fwd_order)
-            if self.cfg.prefetch and nxt is not None and nxt.updated.is_set():
-                self._start_gather(nxt)
+        if not self.checked:
+            self.check = _OutOfPlaceUse(self)
+            self.check.__enter__()
 
-    def _post_forward(self, u, module, args, output):
-        if self.cfg.stage != 3:
-            return                          # stages 0-2 keep whole parameters
-        if torch.is_grad_enabled():
-            # gather again just before this unit's backward (and its recompute, if any)
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
-            if u is self.root:
-                return                      # the root stays gathered until its backward is done
-        self._free(u)
+    def _pre_forward(self, u, module, args, kwargs):
+        if self.last_ran is not None and self.last_ran is not u:
+            self._release(self.last_ran)    # freed once another unit starts: a unit run twice in a row stays
+        self._forward_to(u)
+        self.running = self.last_ran = u
+        self.ran.append(u.index)
 
-    def _pre_backward(self, u):
-        # runs when the gradient of u's output is ready, before any of u's own backward (or its recompute)
-        self._gather(u)
-        # backward runs the forward's units in reverse, except the root (embeddings and head), which
-        # ran first and is the first back: after it comes the forward's last block
-        if u is self.root:
-            prev = self.units[self.fwd_order[-1]] if self.fwd_order else None
-        else:
-            prev = self._neighbour(u, -1, self.fwd_order)
-        if self.cfg.prefetch and prev is not None and prev is not self.root:
-            self._start_gather(prev)
+    def _post_forward(self, u, module, args, kwargs, output):
+        self.running = None
+        if self.cfg.stage != 3 or not torch.is_grad_enabled():
+            return
+        inputs = {id(t) for t in _tensors((args, kwargs))}
+        storage = u.flat.untyped_storage().data_ptr()
+        for t in _tensors(output):
+            if t.untyped_storage().data_ptr() == storage:
+                u.keep = True               # a parameter returned to the caller: whole until its backward is done
+            elif t.requires_grad and id(t) not in inputs:
+                # gather again just before this unit's backward (and its recompute, if any); a tensor the unit
+                # only passed through is not hooked: its gradient says nothing about this unit's backward
+                t.register_hook(functools.partial(self._pre_backward, u))
+
+    def _end_forward(self, model, args, output):
+        if self.check is not None:
+            self.check.__exit__(None, None, None)
+            self.check, self.checked = None, True
+        if self.last_ran is not None:
+            self._release(self.last_ran)
+            self.last_ran = None
+        self._forward_to(None)              # units after the last one this rank ran
+        if not torch.is_grad_enabled():     # no backward follows (evaluation, generation)
+            for u in self.units:
+                if u.gathered and self.cfg.stage == 3:
+                    self._free(u)
+
+    def _pre_backward(self, u, grad):
+        # runs when the gradient of u's output is ready, before any of u's own backward (or its recompute);
+        # a unit whose gradients are all in is never gathered again in this backward
+        if not u.done:
+            self._backward_to(u)
 
     # -- backward: gradients are copied into the unit's flat gradient as they arrive
 
@@ -594,16 +821,20 @@ class Zero:
         if u.grad is None:                  # stages 2-3: a whole-unit gradient for this micro-batch only
             u.grad = torch.empty(u.padded, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            if i in u.seen:
+            if i in u.written:
                 u.grad[o:o + n].add_(p.grad.view(-1))
             else:
                 u.grad[o:o + n].copy_(p.grad.view(-1))
-                u.seen.add(i)
+                u.written.add(i)
         p.grad = None                       # autograd's copy is freed at once
+        u.got.add(i)
         u.arrived += 1
-        # the unit's last gradient: launch its collective now, while backward goes on to earlier units
-        if u.arrived == len(u.params) and self._reduces_now():
-            self._reduce(u)
+        if u.arrived == u.expected:         # every trainable parameter's gradient: u may launch its collective
+            u.ready = True
+            self._launch_ready()
+        if u.arrived == len(u.params):      # nothing in this backward reads u's parameters any more
+            u.done = True
+            self._release(u)
 
     def _reduces_now(self):
         # whether this micro-batch's backward launches collectives (accumulation defers stages 0-1)
@@ -611,43 +842,52 @@ class Zero:
         last = self.micro == self.cfg.accum_steps - 1
         return self.cfg.stage >= 2 or (self.cfg.stage == 0 and last)
 
+    def _launch_ready(self):
+        # in launch order only, each unit once every unit before it has launched: a rank whose gradients
+        # come late (an expert without tokens) delays its launches, never reorders them
+        while self._reduces_now() and self.launch_next < len(self.launch_order) \
+                and self.launch_order[self.launch_next].ready:
+            self.launch_next += 1
+            self._reduce(self.launch_order[self.launch_next - 1])
+
     def _reduce(self, u):
-        """Launch u's gradient collective; at most two stay in flight, so whole-unit gradients
-        of stages 2-3 are freed as backward goes on."""
+        """Launch u's gradient collective; finished ones are collected as backward goes on, so the
+        whole-unit gradients of stages 2-3 are freed early."""
         g = u.grad
         if g is None:                       # no parameter of u took part in this micro-batch
             g = u.grad = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
         for i, (p, o) in enumerate(zip(u.params, u.offsets)):
-            if i not in u.seen:             # unused this window: zero, not last window's values
+            if i not in u.written:          # unused this window: zero, not last window's values
                 g[o:o + p.numel()].zero_()
-                u.seen.add(i)
+                u.written.add(i)
         g[u.numel:].zero_()
         # the mean over ranks and micro-batches, taken before the sum so that fp16 cannot overflow in it
         g.mul_(1.0 / (self.world * self.cfg.accum_steps))
-        u.reduced = True
+        self.trace["reduce"].append(u.index)
         if self.cfg.stage == 0:
-            work = self.net.all_reduce(g, sync=False)
+            work = self.net.all_reduce(g, "reduce", kind="all_reduce", sync=False)
         else:
             work = self.net.reduce_scatter(g[u.lo:u.hi], g, sync=False)
         self.in_flight.append((u, work))
-        # finishing the oldest keeps memory bounded without stalling backward on the newest
-        while len(self.in_flight) > 2:
+        # collect what has finished, oldest first, without waiting: a wait here could block on a rank that
+        # launches later, while it waits for this rank's next gather
+        while self.in_flight and (self.in_flight[0][1] is None or self.in_flight[0][1].is_completed()):
             self._finish_reduce(*self.in_flight.pop(0))
-        if self.cfg.stage == 3 and u is not self.root:
-            self._free(u)                   # its backward is done: the parameters are not needed again
 
     def _finish_reduce(self, u, work):
         self.net.wait(work)
         # the reduced owned slice becomes (or is added to) the gradient shard: on the host with offload,
-        # copied while backward still runs
+        # copied while backward still runs, in the compute dtype (the paper's minimal traffic)
         if self.cfg.stage >= 2 or self.cfg.offload:
             mine = u.grad[u.lo:u.hi]
+            if self.cfg.offload:
+                self.net.count("d2h", mine.numel(), mine.element_size())
             if self.micro == 0 or self.cfg.stage <= 1:
                 u.grad_shard.copy_(mine, non_blocking=self.pin)
             else:
                 u.grad_shard.add_(mine.to(u.grad_shard.device))
         if self.cfg.stage >= 2:
-            u.grad, u.seen = None, set()    # stages 2-3 keep no whole gradient between micro-batches
+            u.grad, u.written = None, set()   # stages 2-3 keep no whole gradient between micro-batches
 
     def __call__(self, *args, **kwargs):
         # the parameters are in the compute dtype, so float inputs must be too
@@ -659,20 +899,36 @@ class Zero:
         if self.micro >= self.cfg.accum_steps:
             raise RuntimeError(f"zero: backward() called {self.micro + 1} times without step(); "
                                f"Config.accum_steps={self.cfg.accum_steps}")
-        self._settle()                      # units the forward skipped are made current too
-        self.in_flight = []
-        # fp16: scale the loss up so small gradients survive in 16 bits; step() divides it out
-        (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
+        self._settle()
+        # a parameter frozen after wrapping sends no gradient: its unit does not wait for it
+        for u in self.units:
+            u.expected, u.arrived, u.done = sum(p.requires_grad for p in u.params), 0, False
+            u.ready = u.expected == 0
+        self.in_flight, self.launch_next, self.bwd_next = [], 0, 0
+        self._launch_ready()
+        if self.cfg.stage == 3 and self.rorder:
+            self._prefetch(self.rorder[0])  # the forward's last block is the first one back
+        try:
+            # fp16: scale the loss up so small gradients survive in 16 bits; step() divides it out
+            (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
+        except torch.utils.checkpoint.CheckpointError as e:
+            raise RuntimeError(
+                "zero: activation recompute (Config.checkpoint) replayed a forward that differs from the "
+                "original (see torch's message above). A model that changes state in its forward does this; "
+                "Hugging Face models fill a key/value cache: pass use_cache=False (or set model.config."
+                "use_cache = False), or use the model's own gradient_checkpointing_enable() with "
+                "checkpoint=False") from e
+        if self.cfg.stage == 3:
+            self._backward_to(None)         # units this rank's backward never reached, gathered in their turn
         if self._reduces_now():
-            for u in self.units:            # units with unused parameters, and the root
-                if not u.reduced:
-                    self._reduce(u)
+            for u in self.launch_order[self.launch_next:]:   # units with missing gradients, and the root
+                u.ready = True
+            self._launch_ready()
         for item in self.in_flight:
             self._finish_reduce(*item)
         self.in_flight = []
-        # stage 3: whatever is still whole (the root, units whose gradients never came) goes now
+        # stage 3: whatever is still whole (the root, units whose gradients never all came) goes now
         for u in self.units:
-            u.reduced, u.arrived = False, 0
             if self.cfg.stage == 3 and u.gathered:
                 self._free(u)
         self.micro += 1
@@ -682,33 +938,53 @@ class Zero:
     def step(self):
         """AdamW on this rank's shard, then the updated parameters go back to every rank.
         Returns False when the gradients were not finite (fp16 overflow: the step is skipped)."""
+        return self.optimizer.step()        # through the optimizer, so LR schedulers see the step
+
+    def _step(self):
         cfg = self.cfg
         if self.micro != cfg.accum_steps:
             raise RuntimeError(f"zero: step() after {self.micro} backward() calls; "
                                f"Config.accum_steps={cfg.accum_steps} asks for exactly that many")
+        late = [n for n, p in self.frozen if p.requires_grad]
+        if late:
+            raise RuntimeError(f"zero: {late} were frozen when zero.Zero wrapped the model and require grad now; "
+                               "the engine holds no shard or optimizer state for them. Make them trainable before "
+                               "zero.Zero(model) and freeze them after (a frozen parameter is left untouched)")
         self.micro = 0
         # from here to the update, every rank runs the same collectives in the same order
         if cfg.stage == 1:                  # stage 1 reduce-scatters once, now
             self.in_flight = []
-            for u in self.units:
+            for u in self.launch_order:
                 self._reduce(u)
             for item in self.in_flight:
                 self._finish_reduce(*item)
         self._settle()
         if self.pin:
             torch.cuda.current_stream().synchronize()   # the gradient shards' copies to the host landed
-        # the global norm of the unscaled gradient: one scalar all-reduce; inf or nan means overflow
-        # (padding is zero and counts nothing; fp32 accumulation, as clip_grad_norm_ does)
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.net.replicas > 1:
+            self._sum_replicas()
+        # one all-reduce carries the step's agreement, in fp64 (exact for these integers): the squared norm
+        # of the unscaled gradient, counted once per shard (inf or nan: overflow); a fingerprint of each
+        # rank's collectives f, as f and f^2 (sum^2 = N * sum of squares only if all are equal); and which
+        # parameters got a gradient on any rank
+        stats = torch.zeros(3 + sum(len(u.params) for u in self.units), dtype=torch.float64, device=self.device)
         for u in self.units:
-            sq += torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32).to(self.device) ** 2
-        # stage 0 holds the whole gradient on every rank: MAX only makes the ranks agree on overflow
-        self.net.all_reduce(sq, op=dist.ReduceOp.SUM if cfg.stage else dist.ReduceOp.MAX, kind="scalar")
+            stats[0] += torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32).to(self.device) ** 2
+        # a copy held by several ranks (stage 0's whole gradient, hybrid replicas) counts once; the others
+        # add 0 * their sum, which is nan if theirs is not finite, so an overflow anywhere skips everywhere
+        stats[0] *= float((self.net.replica if cfg.stage else self.rank) == 0)
+        f = zlib.crc32(repr(self.trace).encode()) % (1 << 21)
+        stats[1:3] = torch.tensor([f, f * f], dtype=torch.float64)
+        stats[3:] = torch.tensor([i in u.got for u in self.units for i in range(len(u.params))], dtype=torch.float64)
+        self.net.all_reduce(stats, kind="scalar")
+        sq, fsum, fsq, *got = stats.tolist()
+        for u in self.units:
+            u.written, u.got = set(), set()   # the next window starts a new accumulation
+        if fsum * fsum != self.world * fsq:
+            self._diverged()
         # the gradients were computed from loss * scale: divide it out of the norm
-        norm = sq.sqrt().item() / self.scaler.scale
+        norm = math.sqrt(sq) / self.scaler.scale
         self.grad_norm = norm
-        for u in self.units:
-            u.seen = set()                  # the next window starts a new accumulation
         # every rank sees the same norm, so every rank takes the same branch: no rank can step alone
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
@@ -724,12 +1000,20 @@ class Zero:
         mult = clip / self.scaler.scale
         self.step_count += 1
         self.scaler.update(overflow=False)
+        # each group's hyperparameters as they are now (a scheduler sets them between steps); a parameter
+        # without a gradient on any rank is left untouched, and its step count with it, as torch's AdamW does
+        hyper = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.optimizer.param_groups]
+        plans, k = [], 0
+        for u in self.units:
+            used, k = got[k:k + len(u.params)], k + len(u.params)
+            u.steps = [s + 1 if used[i] else s for i, s in enumerate(u.steps)]
+            plans.append(self._runs(u, used, hyper))
         # with offload the update happens behind the next forward; without, right here
         if cfg.offload:
-            self._start_updates(mult)
+            self._start_updates(mult, plans)
         else:
-            for u in self.units:
-                self._update(u, mult, self._param_slice(u), self.lr, self.step_count)
+            for u, runs in zip(self.units, plans):
+                self._update(u, mult, self._param_slice(u), runs)
             # stages 1-2 keep whole parameters: every rank's updated slice goes to every rank, in place
             if cfg.stage in (1, 2):
                 works = [self.net.all_gather(u.flat, u.flat[u.lo:u.hi], sync=False) for u in self.units]
@@ -738,13 +1022,56 @@ class Zero:
         self.ledger_reset()
         return True
 
-    def _update(self, u, mult, out, lr, step):
+    def _sum_replicas(self):
+        # hybrid sharding: the shard group's reduced shard, summed with the same shard of every other group,
+        # once per step (a host shard visits the device for it: NCCL reduces device memory)
+        works = []
+        for u in self.units:
+            t = u.grad_shard.to(self.device)
+            works.append((u, t, self.net.all_reduce(t, "replica", kind="replica_all_reduce", sync=False)))
+        for u, t, work in works:
+            self.net.wait(work)
+            if t is not u.grad_shard:
+                u.grad_shard.copy_(t)
+
+    def _runs(self, u, used, hyper):
+        """AdamW calls for u's owned range: one per run of adjacent parameters with equal hyperparameters
+        and step count (a shard cuts across parameters), skipping parameters without a gradient."""
+        runs = []
+        for a, b, i in u.segments:
+            if used[i]:
+                key = (u.group[i], u.steps[i])
+                if runs and runs[-1][1] == a and runs[-1][2] == key:
+                    runs[-1][1] = b
+                else:
+                    runs.append([a, b, key])
+        return [(a, b, *hyper[g], step) for a, b, (g, step) in runs]
+
+    def _update(self, u, mult, out, runs):
         """AdamW on u's owned range; `out` receives the updated weights in the compute dtype."""
-        b1, b2 = self.cfg.betas
-        for a, b, decay in u.decay_runs:
+        for a, b, lr, b1, b2, eps, wd, step in runs:
             adamw_step(u.master[a:b], u.grad_shard[a:b], u.exp_avg[a:b], u.exp_avg_sq[a:b], step,
-                       lr, b1, b2, self.cfg.eps, self.cfg.weight_decay if decay else 0.0,
-                       grad_mult=mult, out=None if out is None else out[a:b])
+                       lr, b1, b2, eps, wd, grad_mult=mult, out=None if out is None else out[a:b])
+
+    def _diverged(self):
+        """The ranks' collectives differed in this step: say which, change nothing, and stop."""
+        traces = _all_gather_object(self.net, (self.trace, self.ran))
+        (t0, _), diff = traces[0], "?"
+        for (r, (t, _)), kind in itertools.product(enumerate(traces), t0):
+            a, b = t0[kind], t[kind]
+            if a != b:
+                j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                name = lambda s: self._unit_name(s[j]) if j < len(s) else "nothing"
+                diff = f"{kind} #{j}: rank 0's was of {name(a)}, rank {r}'s of {name(b)}"
+                break
+        ran = "; ".join(f"rank {r}: {[self._unit_name(i) for i in x]}" for r, (_, x) in enumerate(traces))
+        self.ledger_reset()
+        raise RuntimeError(f"zero: the ranks ran different collectives in this step ({diff}); nothing was updated. "
+                           f"Units each rank's forwards ran: {ran}. At stage 3 a unit called a different number of "
+                           "times on different ranks does this: call every unit equally often, or use stage 2")
+
+    def _unit_name(self, i):
+        return self.names.get(id(self.units[i].module), "") or "root"
 
     def _owned_params(self, u):
         """This rank's owned range of the parameters: the shard (stage 3) or its slice of the flat buffer."""
@@ -754,10 +1081,19 @@ class Zero:
         """Where an update writes the new parameters: nowhere when the master weights are the parameters."""
         return None if self.master_is_param else self._owned_params(u)
 
+    @property
+    def lr(self):
+        return self.optimizer.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value):
+        for g in self.optimizer.param_groups:   # a schedule set by hand: every group gets it
+            g["lr"] = value
+
     # -- ZeRO-Offload: a worker thread updates unit by unit in forward order, while the caller
     #    goes on to the next forward, which waits only for the unit it is about to run
 
-    def _start_updates(self, mult):
+    def _start_updates(self, mult, plans):
         # one long-lived worker per engine; jobs go through a queue, one job per step
         if self.worker is None:
             self.jobs, self.worker_error = queue.Queue(), None
@@ -765,29 +1101,28 @@ class Zero:
             self.worker.start()
             # a daemon thread killed inside a kernel at exit aborts the process: let it finish first
             atexit.register(lambda: [u.updated.wait(self.cfg.timeout_s) for u in self.units])
-        # forward order first (the next forward needs those units first), then any unit it skipped
-        order = list(dict.fromkeys((self.fwd_order or self.last_fwd_order) + [u.index for u in self.units]))
-        for i in order:
-            self.units[i].updated.clear()
+        for u in self.units:
+            u.updated.clear()
             if self.cfg.stage in (1, 2):
-                self.units[i].gathered = False   # the other ranks' slices are last step's until gathered
-        # lr and step as they are now: the caller may set the next step's lr while the worker runs
-        self.jobs.put((order, mult, self.lr, self.step_count))
+                u.gathered = False          # the other ranks' slices are last step's until gathered
+            # the updated 16-bit slice goes back to the device (on a CPU machine: into the parameters)
+            self.net.count("h2d", u.hi - u.lo, u.flat.element_size())
+        # the forward's order: the root first, then the blocks (the next forward needs them in that order)
+        self.jobs.put(((self.root,) * bool(self.root) + tuple(self.order), mult, plans))
 
     def _worker(self):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)   # the current GPU is per thread
         while True:
-            order, mult, lr, step = self.jobs.get()
-            for i in order:
-                u = self.units[i]
+            units, mult, plans = self.jobs.get()
+            for u in units:
                 try:
                     dest = self._param_slice(u)
                     if u.staging is not None:   # CUDA: 16-bit result to pinned memory, then to the device
-                        self._update(u, mult, u.staging, lr, step)
+                        self._update(u, mult, u.staging, plans[u.index])
                         dest.copy_(u.staging, non_blocking=True)
                     else:
-                        self._update(u, mult, dest, lr, step)
+                        self._update(u, mult, dest, plans[u.index])
                     # no collective here: the caller's thread gathers, in its forward, so the order of
                     # collectives is the program's own on every rank
                 except BaseException as e:  # handed to the caller at its next wait
@@ -815,7 +1150,8 @@ class Zero:
     def ledger_reset(self):
         # called at the end of each step: what one step moved, from the forward to the update
         self.last_comm = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.net.ledger.items()}
-        self.net.ledger = {}
+        # each process group's own sequence: gathers and reductions may interleave differently on each rank
+        self.net.ledger, self.trace, self.ran = {}, dict(gather=[], reduce=[]), []
 
     def comm(self):
         return self.last_comm
@@ -855,24 +1191,26 @@ class Zero:
         # Ψ of the formulas: trainable parameters (padded: as the flat buffers hold them)
         return sum(u.padded if padded else u.numel for u in self.units)
 
-    def full_state_dict(self):
-        """The whole model as a plain fp32 state_dict, on every rank (a collective): one unit's
-        master weights are gathered at a time, so memory never holds more than the result and one unit."""
+    # -- the whole model in and out, one unit at a time
+
+    def full_state_dict(self, rank0_only=False):
+        """The whole model as a plain fp32 state_dict of CPU tensors (a collective: every rank calls it).
+        One unit's master weights are gathered at a time and moved to the CPU at once, so the device never
+        holds more than a unit; rank0_only=True: only rank 0 keeps the result, the others get {}."""
         self._settle()
-        # keys and order from the model's own state_dict: tied names, buffers and frozen params included
+        keep = not rank0_only or self.rank == 0
         values = {}
         for u in self.units:
             full = self._gather_master(u)
-            for p, o in zip(u.params, u.offsets):
-                values[id(p)] = full[o:o + p.numel()].view(p.shape).clone()
+            for p, o in zip(u.params, u.offsets) if keep else ():
+                values[id(p)] = full[o:o + p.numel()].view(p.shape).to("cpu", copy=True)
             del full
+        # keys and order from the model's own state_dict: tied names, buffers and frozen params included
         sd = {}
-        for k, t in self.module.state_dict(keep_vars=True).items():
+        for k, t in _model_state(self.module).items() if keep else ():
             v = values.get(id(t))
-            if v is None:
-                v = t.detach().clone()
-                v = v.float() if v.is_floating_point() else v
-            sd[k] = v.cpu()
+            sd[k] = v if v is not None else t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype,
+                                                           copy=True)
         return sd
 
     def _gather_master(self, u):
@@ -883,6 +1221,86 @@ class Zero:
         # its own ledger kind: a state_dict is not training traffic
         self.net.all_gather(full, u.master.to(self.device, torch.float32), kind="state_dict")
         return full
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Weights from a plain state_dict (model.state_dict() names; tied aliases fine) into every stage's
+        copies: master weights, 16-bit parameters, buffers and frozen parameters. Each rank reads only the
+        slices it owns (a memory-mapped file reads only those pages); Adam's moments start fresh. Missing,
+        unexpected and wrongly shaped entries are one error; with strict=False they are skipped and returned."""
+        self._settle()
+        want = _model_state(self.module)
+        aliases = _aliases(self.module)
+        slot = {id(p): next((a for a in aliases[id(p)] if a in state_dict), None) for u in self.units for p in u.params}
+        missing = [k for k, t in want.items() if k not in state_dict and not (id(t) in slot and slot[id(t)])]
+        unexpected = [k for k in state_dict if k not in want]
+        shapes = [f"{k}: {list(state_dict[k].shape)} vs the model's {list(want[k].shape)}" for k in state_dict
+                  if k in want and tuple(state_dict[k].shape) != tuple(want[k].shape)]
+        if strict and (missing or unexpected or shapes):
+            raise ValueError("zero: load_state_dict: " + "; ".join(x for x in (
+                f"missing {missing}" if missing else "", f"unexpected {unexpected}" if unexpected else "",
+                f"shapes differ: {shapes}" if shapes else "") if x))
+        bad = {k.split(":")[0] for k in shapes}
+
+        def read(name, p, start, n, key):
+            k = slot[id(p)]
+            if key != "master" or k is None or k in bad:   # Adam starts fresh; a skipped entry keeps its value
+                return None
+            return state_dict[k].reshape(-1)[start:start + n]
+        extra = {k: v for k, v in state_dict.items() if k in want and k not in bad and id(want[k]) not in slot}
+        _restore(self, lambda: (read, extra), "load the state_dict")
+        for u in self.units:
+            u.steps = [0] * len(u.params)
+        return collections.namedtuple("Incompatible", "missing_keys unexpected_keys wrong_shapes")(
+            missing, unexpected, shapes)
+
+    def _refuse_state_dict(self, *args, **kwargs):
+        raise RuntimeError("zero: model.state_dict() after zero.Zero(model) would not hold the trained weights "
+                           "(the fp32 master weights are sharded across ranks; at stage 3 the parameters too). Use "
+                           "engine.full_state_dict() (every rank calls it; rank0_only=True keeps it on rank 0 only) "
+                           "or zero.save(engine, dir)")
+
+
+class _OutOfPlaceUse(torch.overrides.TorchFunctionMode):
+    """Stage 3, first forward: a parameter that a torch call reads outside its unit's forward (a parent
+    reading a block's weight, one block reading another's) would be read after its memory was freed. Its
+    unit is gathered on the spot and kept whole from then on, as the root is."""
+
+    METADATA = {"__get__", "size", "dim", "numel", "stride", "element_size", "is_floating_point", "register_hook"}
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine, self.owner = engine, {id(p): u for u in engine.units for p in u.params}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        e = self.engine
+        if getattr(func, "__name__", "") not in self.METADATA:
+            for t in _tensors((args, kwargs or {})):
+                u = self.owner.get(id(t))
+                if u is not None and u is not e.running and u is not e.root and not u.keep:
+                    u.keep = True
+                    e._gather(u)
+        return func(*args, **(kwargs or {}))
+
+
+def _post_order(module, stop):
+    # module and its descendants, children first (as nn.Module.apply visits them), not entering `stop`
+    for child in module.children():
+        if id(child) not in stop:
+            yield from _post_order(child, stop)
+    yield module
+
+
+def _model_state(model):
+    # the model's own state_dict (its `state_dict` attribute is the engine's refusal after wrapping)
+    return nn.Module.state_dict(model, keep_vars=True)
+
+
+def _aliases(model):
+    # every name of each parameter: a tied weight is one tensor under several state_dict keys
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(n)
+    return out
 
 
 def _engine_device():
@@ -919,9 +1337,10 @@ def _cast_floats(x, dtype):
 # 7. Checkpoints
 #
 # path/latest               the name of the newest complete checkpoint, replaced atomically, last
-# path/step_00001000/       one checkpoint: meta.json (layout, config, step, scaler, checksums),
-#                           written after every rank's rank_00000.pt ... (fp32 master and Adam
-#                           moments of the rank's shard of each unit, as slices of the unpadded layout)
+# path/step_00001000/       one checkpoint: meta.json (layout, config, step, scaler, param groups,
+#                           checksums), written after every rank's rank_00000.pt ... (its RNG; and for
+#                           one copy of the shards, the fp32 master and Adam moments of each unit, as
+#                           slices of the unpadded layout)
 # Every file is written under a temporary name and renamed into place, so a crash at any moment
 # leaves `latest` pointing at the previous checkpoint, whole. Loading slices the flat layout, so a
 # checkpoint loads onto any world size and stage.
@@ -949,14 +1368,13 @@ def _sha256(path):
 
 
 def _layout(engine):
-    """Every trainable parameter: its unit, offset and shape; every other state_dict entry by name."""
+    """Every trainable parameter: its unit, offset, shape and AdamW step; every other state_dict entry by name."""
     # all names of each tensor, so a tied weight comes back under each of its state_dict keys
-    aliases = {}
-    for n, p in engine.module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(n)
-    units = [dict(numel=u.numel, params=[dict(name=n, shape=list(p.shape), offset=o, aliases=aliases[id(p)])
-                                         for n, p, o in zip(u.names, u.params, u.offsets)]) for u in engine.units]
-    return units, list(engine.module.state_dict().keys())
+    aliases = _aliases(engine.module)
+    units = [dict(numel=u.numel, params=[dict(name=n, shape=list(p.shape), offset=o, aliases=aliases[id(p)], step=s)
+                                         for n, p, o, s in zip(u.names, u.params, u.offsets, u.steps)])
+             for u in engine.units]
+    return units, list(_model_state(engine.module).keys())
 
 
 def save(engine, path):
@@ -976,13 +1394,15 @@ def save(engine, path):
         name = None
     name = _broadcast_object(net, name)
     d = os.path.join(path, name)
-    # this rank's slice [rank*S, (rank+1)*S) of every unit's unpadded layout, whatever the stage
-    # the same layout whatever the stage (stage 0 owns everything but saves only its slice), so that any
-    # run can find element i of a unit in file i // S
-    shards = []
-    for u in engine.units:
-        size = u.padded // world
-        a, b = rank * size, min((rank + 1) * size, u.numel)
+    # one copy of the shards: file r holds slice [r*S, (r+1)*S) of every unit's unpadded layout, S the
+    # shard size, whatever the stage (stage 0 owns everything but saves only its slice), so that any run
+    # finds element i of a unit in file i // S. With hybrid sharding the first shard group writes them.
+    shards, n_files = [], engine.units[0].padded // (engine.units[0].hi - engine.units[0].lo) \
+        if engine.cfg.stage else world
+    r = rank if engine.cfg.stage == 0 else engine.net.shard_rank
+    for u in engine.units if engine.net.replica == 0 else ():
+        size = u.padded // n_files
+        a, b = r * size, min((r + 1) * size, u.numel)
         lo = a - u.lo                       # where that slice sits in this rank's owned range
         shards.append({k: getattr(u, k)[lo:lo + max(b - a, 0)].to("cpu", torch.float32).clone()
                        for k in ("master", "exp_avg", "exp_avg_sq")})
@@ -993,17 +1413,18 @@ def save(engine, path):
     # buffers and frozen parameters are the same on every rank: rank 0 saves them, as the model holds them
     if rank == 0:
         trained = {id(p) for u in engine.units for p in u.params}
-        blob["extra"] = {k: v.detach().cpu() for k, v in engine.module.state_dict(keep_vars=True).items()
-                         if id(v) not in trained}
+        blob["extra"] = {k: v.detach().cpu() for k, v in _model_state(engine.module).items() if id(v) not in trained}
     fname = os.path.join(d, f"rank_{rank:05d}.pt")
     _write_atomic(fname, lambda f: torch.save(blob, f))
     # meta.json records every file's checksum, so it can only be written once every rank has written
     sums = _all_gather_object(net, _sha256(fname))
     if rank == 0:
         units, keys = _layout(engine)
-        meta = dict(format=FORMAT, world_size=world, stage=engine.cfg.stage, dtype=engine.cfg.dtype,
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+        meta = dict(format=FORMAT, world_size=world, shards=n_files, stage=engine.cfg.stage, dtype=engine.cfg.dtype,
                     config=asdict(engine.cfg), step=engine.step_count, scaler=engine.scaler.state_dict(),
-                    units=units, state_dict_keys=keys, sha256={f"rank_{r:05d}.pt": s for r, s in enumerate(sums)})
+                    param_groups=groups, units=units, state_dict_keys=keys,
+                    sha256={f"rank_{r:05d}.pt": s for r, s in enumerate(sums)})
         _write_atomic(os.path.join(d, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
         # the commit point: until this rename, `latest` names the previous checkpoint, which is whole
         _write_atomic(os.path.join(path, "latest"), lambda f: f.write(name.encode()))
@@ -1049,11 +1470,11 @@ def _open_rank(d, meta, r):
 
 
 def _by_name(meta):
-    """name -> (unit, offset, numel, shard size at save time) in the saved layout."""
-    # the shard size follows from the unit's size and the world size at save time, as in Unit
+    """name -> (unit, offset, numel, shard size at save time, shape) in the saved layout."""
+    # the shard size follows from the unit's size and the number of shard files, as in Unit
     out = {}
     for i, u in enumerate(meta["units"]):
-        size = -(-u["numel"] // meta["world_size"])
+        size = -(-u["numel"] // meta.get("shards", meta["world_size"]))
         for p in u["params"]:
             out[p["name"]] = (i, p["offset"], math.prod(p["shape"]), size, p["shape"])
     return out
@@ -1076,9 +1497,9 @@ def load(engine, path):
     """Restore a checkpoint into `engine` (every rank calls it): its own world size and stage, or any
     other. Nothing in the engine changes unless every rank read everything it needs."""
     engine._settle()
-    # phase 1, on every rank: check everything and read this rank's new state into fresh tensors;
-    # any failure is caught, so that all ranks learn of it below instead of hanging
-    try:
+    got = {}
+
+    def prepare():
         d, meta = _resolve(path)
         saved = _by_name(meta)
         mine = [(n, tuple(p.shape)) for u in engine.units for n, p in zip(u.names, u.params)]
@@ -1092,28 +1513,62 @@ def load(engine, path):
                             f"shapes differ: {shapes}" if shapes else "") if x))
         cache = {}
         files = lambda r: cache[r] if r in cache else cache.setdefault(r, _open_rank(d, meta, r))
-        new = []                            # this rank's new state, kept apart until all ranks succeed
-        # by name, not by unit: a parameter may sit in another unit, offset or shard than when saved
-        for u in engine.units:
-            st = {k: torch.zeros(u.hi - u.lo, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
-            for n, p, o in zip(u.names, u.params, u.offsets):
-                a, b = max(o, u.lo), min(o + p.numel(), u.hi)
-                if a < b:
-                    for k in st:
-                        st[k][a - u.lo:b - u.lo] = _read_range(files, meta, saved[n], a - o, b - a, k)
-            new.append(st)
         for r in range(meta["world_size"]):
             files(r)                        # every file is checked, also those this rank needs no slice of
-        rng = files(engine.rank) if meta["world_size"] == engine.world else None
+        got.update(meta=meta, rng=files(engine.rank) if meta["world_size"] == engine.world else None,
+                   steps={p["name"]: p.get("step", meta["step"]) for u in meta["units"] for p in u["params"]})
+        # by name, not by unit: a parameter may sit in another unit, offset or shard than when saved
+        read = lambda name, p, start, n, key: _read_range(files, meta, saved[name], start, n, key)
+        return read, files(0)["extra"]      # buffers and frozen parameters
+    _restore(engine, prepare, f"load {path}")
+    meta = got["meta"]
+    for u in engine.units:
+        u.steps = [got["steps"][n] for n in u.names]
+    engine.step_count = meta["step"]
+    engine.scaler.load_state_dict(meta["scaler"])
+    groups = engine.optimizer.param_groups
+    if len(meta.get("param_groups", groups)) == len(groups):    # each group's lr, betas, eps, decay as saved
+        for g, s in zip(groups, meta.get("param_groups", ())):
+            g.update(s, betas=tuple(s["betas"]))
+    else:
+        warnings.warn(f"zero: the checkpoint has {len(meta['param_groups'])} param groups, the engine "
+                      f"{len(groups)}: the engine's hyperparameters are kept")
+    # the same ranks again: each continues its own random stream (dropout), as if never stopped
+    if got["rng"] is not None:
+        torch.set_rng_state(got["rng"]["rng"])
+        if "cuda_rng" in got["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(got["rng"]["cuda_rng"])
+    return meta
+
+
+def _restore(engine, prepare, what):
+    """Put new weights (and Adam moments, where `read` has them) into every copy the engine keeps.
+    prepare() -> (read(name, param, start, n, key) -> fp32 elements or None, {state_dict key: tensor} of
+    buffers and frozen parameters). Phase 1 reads this rank's owned slices into fresh tensors; phase 2
+    has every rank learn whether every rank succeeded; only then, phase 3 changes the engine."""
+    try:
+        read, extra = prepare()
+        new = []
+        for u in engine.units:
+            # a slice `read` does not have: the master keeps its value, a moment starts at zero
+            st = {"master": u.master.to("cpu", torch.float32, copy=True)}
+            st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(st["master"]), torch.zeros_like(st["master"])
+            for n, p, o in zip(u.names, u.params, u.offsets):
+                a, b = max(o, u.lo), min(o + p.numel(), u.hi)
+                for k in st if a < b else ():
+                    piece = read(n, p, a - o, b - a, k)
+                    if piece is not None:
+                        st[k][a - u.lo:b - u.lo] = piece
+            new.append(st)
         error = None
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         error = e
-    # phase 2: every rank learns whether every rank succeeded; only then is the engine touched
+    # phase 2: any failure is raised on every rank, instead of a hang in the collectives below
     failed = _all_gather_object(engine.net, repr(error) if error else None)
     if error is not None:
         raise error
     if any(failed):
-        raise RuntimeError(f"zero: another rank could not load {path}: {[f for f in failed if f][0]}")
+        raise RuntimeError(f"zero: another rank could not {what}: {[f for f in failed if f][0]}")
     # phase 3: the shard state in place, then the 16-bit parameters rebuilt from it, as step() does
     for u, st in zip(engine.units, new):
         for k, v in st.items():
@@ -1123,19 +1578,10 @@ def load(engine, path):
             out.copy_(u.master)
         if engine.cfg.stage in (1, 2):
             engine.net.all_gather(u.flat, u.flat[u.lo:u.hi], kind="load")
-    engine.step_count = meta["step"]
-    engine.scaler.load_state_dict(meta["scaler"])
-    # the same ranks again: each continues its own random stream (dropout), as if never stopped
-    if rng is not None:
-        torch.set_rng_state(rng["rng"])
-        if "cuda_rng" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda_rng"])
-    extra = files(0)["extra"]               # buffers and frozen parameters
     with torch.no_grad():
-        for k, v in engine.module.state_dict(keep_vars=True).items():
+        for k, v in _model_state(engine.module).items():
             if k in extra:
                 v.copy_(extra[k])
-    return meta
 
 
 def consolidate(path):
@@ -1159,11 +1605,11 @@ def consolidate(path):
 
 
 def _all_gather_object(net, obj):
-    # small Python objects between ranks (checksums, error messages); world size 1 needs no group
+    # small Python objects between the engine's ranks (checksums, error messages); one rank needs no group
     if net.world == 1:
         return [obj]
     out = [None] * net.world
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=net.groups["world"][0])
     return out
 
 
@@ -1171,7 +1617,7 @@ def _broadcast_object(net, obj):
     if net.world == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=net.ranks[0], group=net.groups["world"][0])
     return box[0]
 
 
@@ -1181,12 +1627,13 @@ def _broadcast_object(net, obj):
 # The paper's formula, in the same kinds as Zero.memory(): a test holds the two equal on a real model,
 # and `python zero.py estimate` prints the paper's 7.5B-parameter, 64-GPU example.
 
-def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False):
+def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, shard_group=0):
     """The ZeRO paper's model-state bytes per rank: params and grads in the compute dtype,
-    fp32 master (none in fp32 compute) and two fp32 Adam moments, each sharded by the stage."""
+    fp32 master (none in fp32 compute) and two fp32 Adam moments, each sharded by the stage
+    across the shard group (all ranks, or shard_group of them with hybrid sharding)."""
     if dtype not in DTYPES:
         raise ValueError(f"estimate_memory: dtype={dtype!r}; use one of {list(DTYPES)}")
-    psi, n = num_params, world_size
+    psi, n = num_params, shard_group if stage and shard_group else world_size
     # bytes per parameter: p for the 16-bit (or fp32) params and grads, 4 for the master, 4+4 for Adam
     p = DTYPES[dtype].itemsize
     master = 0 if dtype == "fp32" and not offload else 4
@@ -1194,10 +1641,10 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False):
     dev = dict(params=p * psi / (n if stage >= 3 else 1), grads=p * psi / (n if stage >= 2 else 1),
                master=master * psi / (n if stage >= 1 else 1), optim=8 * psi / (n if stage >= 1 else 1))
     host = dict(params=0, grads=0, master=0, optim=0)
-    # offload moves the gradient shard (as fp32), master and moments to the host; stage 1 still keeps
-    # its whole gradient on the device
+    # offload moves the gradient shard (in the compute dtype), master and moments to the host; stage 1
+    # still keeps its whole gradient on the device
     if offload:
-        host.update(grads=4 * psi / n, master=dev["master"], optim=dev["optim"])
+        host.update(grads=p * psi / n, master=dev["master"], optim=dev["optim"])
         dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else 0)
     r = lambda d: {k: int(round(v)) for k, v in d.items()}
     return dict(device=r(dev), host=r(host))
@@ -1210,16 +1657,19 @@ def main(argv=None):
     e.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 7.5e9")
     e.add_argument("--world-size", type=int, required=True)
     e.add_argument("--dtype", default="fp16", choices=list(DTYPES))
+    e.add_argument("--shard-group", type=int, default=0, help="hybrid sharding: ranks per shard group (a node)")
     c = sub.add_parser("consolidate", help="a sharded checkpoint to one plain fp32 state_dict file")
     c.add_argument("ckpt")
     c.add_argument("out")
     a = ap.parse_args(argv)
     if a.cmd == "estimate":
         # the per-rank table of the ZeRO paper's Figure 1 (one row per stage)
-        print(f"model states per rank, {a.params:.4g} params, {a.world_size} ranks, {a.dtype} + fp32 Adam (GB = 1e9 B)")
+        group = f", shard groups of {a.shard_group}" if a.shard_group else ""
+        print(f"model states per rank, {a.params:.4g} params, {a.world_size} ranks{group}, {a.dtype} + fp32 Adam "
+              "(GB = 1e9 B)")
         print(f"{'stage':>5} {'params':>9} {'grads':>9} {'master':>9} {'optim':>9} {'total':>9}")
         for s in range(4):
-            d = estimate_memory(a.params, a.world_size, s, a.dtype)["device"]
+            d = estimate_memory(a.params, a.world_size, s, a.dtype, shard_group=a.shard_group)["device"]
             print(f"{s:>5} " + " ".join(f"{d[k] / 1e9:>9.4g}" for k in ("params", "grads", "master", "optim"))
                   + f" {sum(d.values()) / 1e9:>9.1f}")
     elif a.cmd == "consolidate":

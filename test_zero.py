@@ -684,6 +684,175 @@ def test_freezing_after_wrapping_and_unfreezing_at_every_stage():
 
 
 # -----------------------------------------------------------------------------
+# bigger than one rank: built on the meta device unit by unit, pretrained weights loaded straight
+# into the shards, the whole model exported one unit at a time
+
+def init_tiny(module):
+    """init_fn for TinyNet: its own parameter and buffer here, every other module's reset_parameters()."""
+    if isinstance(module, TinyNet):
+        module.pos.normal_(0.0, 0.1)
+        module.gain.fill_(1.5)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def meta_model(**kw):
+    with torch.device("meta"):
+        return TinyNet(**kw)
+
+
+def _meta_cases(rank, world, path):
+    out = {}
+    torch.manual_seed(rank)                 # each rank draws other values: rank 0's must win
+    engine = zero.Zero(meta_model(), zero.Config(stage=3, dtype="fp32", lr=LR), init_fn=init_tiny)
+    m = engine.module
+    out["tied"] = m.head.weight is m.emb.weight and not m.gain.requires_grad
+    out["init"] = engine.full_state_dict()
+    out["no_init"] = None
+    try:
+        zero.Zero(meta_model(), zero.Config(stage=3))
+    except ValueError as e:
+        out["no_init"] = str(e)
+    # the same weights into an eager engine and into meta-built ones, every stage, with and without offload:
+    # each trains like the reference; the weights file is memory-mapped, as a big checkpoint would be
+    sd = torch.load(path, mmap=True, weights_only=True)
+    for stage, offload, meta in [(s, False, m) for s in range(4) for m in (False, True)] + [(2, True, True),
+                                                                                               (3, True, True)]:
+        model = meta_model() if meta else make_model(seed=5)
+        engine = zero.Zero(model, zero.Config(stage=stage, dtype="fp32", lr=LR, offload=offload),
+                           init_fn=init_tiny if meta else None)
+        assert engine.load_state_dict(sd) == ([], [], [])
+        out[(stage, offload, meta)] = _steps(rank, world, engine)
+    return out
+
+
+def _steps(rank, world, engine, steps=STEPS, batch=BATCH):
+    xs, ys = make_batches(steps, batch)
+    per, losses, norms = batch // world, [], []
+    for s in range(steps):
+        loss = engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"]
+        engine.backward(loss)
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        engine.step()
+        norms.append(engine.grad_norm)
+    return dict(losses=losses, norms=norms, oks=[True] * steps, sd=engine.full_state_dict())
+
+
+def test_meta_construction_and_loading_pretrained_weights(tmp_path):
+    path = str(tmp_path / "weights.pt")
+    torch.save(make_model().state_dict(), path)    # the reference's initial weights, as a plain file
+    res = spawn(_meta_cases, 2, path)
+    ref = reference(STEPS, BATCH, zero.Config(lr=LR))
+    a, b = res[0], res[1]
+    assert a["tied"] and b["tied"]
+    for k in a["init"]:                     # one set of initial weights on every rank, and a real one
+        assert torch.equal(a["init"][k], b["init"][k]) and torch.isfinite(a["init"][k]).all(), k
+    assert "'gain' was built on the meta device" in a["no_init"] and "init_fn" in a["no_init"], a["no_init"]
+    for case, r in a.items():
+        if isinstance(case, tuple):
+            _check_parity(r, "fp32", ref, f"loaded into {case}")
+
+
+def _load_errors(rank, world):
+    engine = zero.Zero(make_model(), zero.Config(stage=3, dtype="fp32"))
+    before = engine.full_state_dict()
+    sd = make_model(seed=3).state_dict()
+    sd.pop("blocks.0.fc1.bias")
+    sd["blocks.1.fc2.weight"] = torch.zeros(3, 3)
+    sd["not.in.model"] = torch.zeros(1)
+    with pytest.raises(ValueError) as e:
+        engine.load_state_dict(sd)
+    after = engine.full_state_dict()
+    unchanged = all(torch.equal(v, after[k]) for k, v in before.items())
+    loose = engine.load_state_dict(sd, strict=False)
+    sd2 = engine.full_state_dict()
+    return str(e.value), unchanged, loose, sd2, before
+
+
+def test_load_state_dict_lists_what_does_not_fit():
+    msg, unchanged, loose, sd2, before = spawn(_load_errors, 2)[0]
+    assert "missing ['blocks.0.fc1.bias']" in msg and "unexpected ['not.in.model']" in msg, msg
+    assert "blocks.1.fc2.weight: [3, 3] vs the model's [14, 37]" in msg, msg
+    assert unchanged
+    assert loose.missing_keys == ["blocks.0.fc1.bias"] and loose.unexpected_keys == ["not.in.model"]
+    # strict=False: what fits is loaded, what does not keeps its value
+    other = make_model(seed=3).state_dict()
+    assert torch.equal(sd2["blocks.0.fc1.weight"], other["blocks.0.fc1.weight"])
+    assert torch.equal(sd2["blocks.0.fc1.bias"], before["blocks.0.fc1.bias"])
+    assert torch.equal(sd2["blocks.1.fc2.weight"], before["blocks.1.fc2.weight"])
+
+
+def _export_case(rank, world):
+    out = {}
+    for stage in range(4):
+        engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=stage, dtype="bf16", lr=LR))
+        _run(rank, world, engine, 1, 0)
+        gathered, real = [], engine.net.all_gather
+        engine.net.all_gather = lambda out_, inp, **kw: (gathered.append(out_.numel() * out_.element_size()),
+                                                         real(out_, inp, **kw))[1]
+        full, mine = engine.full_state_dict(), engine.full_state_dict(rank0_only=True)
+        out[stage] = dict(full=full, mine=mine, gathered=gathered, units=[u.padded * 4 for u in engine.units])
+        # the model's own methods: state_dict() refused with the way out; load_state_dict() goes to the engine
+        with pytest.raises(RuntimeError, match="engine.full_state_dict"):
+            engine.module.state_dict()
+        other = make_model(seed=11, n_blocks=4).state_dict()
+        engine.module.load_state_dict(other)
+        engine.lr = 1e-9                    # a step may not bring the old weights back from the master
+        _run(rank, world, engine, 1, 1)
+        out[stage]["after_load"] = max((engine.full_state_dict()[k] - v).abs().max().item() for k, v in other.items()
+                                       if v.is_floating_point())
+    return out
+
+
+def test_export_one_unit_at_a_time_and_the_models_own_methods():
+    for rank, out in enumerate(spawn(_export_case, 2)):
+        for stage, r in out.items():
+            if rank == 0:
+                assert r["mine"].keys() == r["full"].keys()
+                assert all(torch.equal(r["mine"][k], v) for k, v in r["full"].items())
+            else:
+                assert r["mine"] == {}
+            assert all(v.device.type == "cpu" for v in r["full"].values())
+            # the device holds one whole unit (fp32) at a time, never the model
+            if stage:
+                assert r["gathered"] and max(r["gathered"]) <= max(r["units"]), (stage, r["gathered"])
+            # bf16 rounding of the loaded weights (the step at lr 1e-9 moves nothing)
+            assert r["after_load"] < 1e-2, (stage, r["after_load"])
+
+
+def _build_memory(rank, world, meta, n_blocks, d):
+    import resource
+    torch.manual_seed(0)
+    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    meta_model()                            # the meta device's one-time setup (~75 MB of Python state) first
+    dist.barrier()
+    before = rss()
+    with torch.device("meta" if meta else "cpu"):
+        model = TinyNet(n_blocks=n_blocks, d=d, h=4 * d, vocab=256)
+    engine = zero.Zero(model, zero.Config(stage=3, dtype="bf16"), init_fn=init_tiny if meta else None)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mem = engine.memory()["device"]
+    return dict(growth=peak - before, shards=sum(mem.values()), psi=engine.num_params(),
+                unit=max(u.padded for u in engine.units[:-1]) * 4)
+
+
+def test_building_on_the_meta_device_holds_shards_plus_a_few_units():
+    # 8 ranks at stage 3: a rank's shards (16 bytes per parameter / 8) are half the whole fp32 model
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"   # freed blocks go back to the system: RSS tells the truth
+    try:
+        r = spawn(_build_memory, 8, True, 24, 192)
+    finally:
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    for x in r:
+        assert abs(x["shards"] - 2 * x["psi"]) < 8 * 1024, x    # 16 bytes per parameter / 8 ranks, padded
+        # the shards, a few whole fp32 units, and a margin for the allocator's own bookkeeping
+        assert x["growth"] <= x["shards"] + 4 * x["unit"] + (8 << 20), (x, x["growth"] / (4 * x["psi"]))
+        assert x["growth"] < 4 * x["psi"], x        # less than the whole model in fp32
+
+
+# -----------------------------------------------------------------------------
 # fp16 overflow: an inf in one rank's gradient skips the step on every rank and loses nothing
 
 def _state(engine):
@@ -1182,7 +1351,11 @@ def step_losses(stdout):
     return {int(s): float(x) for s, x in re.findall(r"^step\s+(\d+) \| loss ([0-9.]+)", stdout, re.M)}
 
 
-def test_train_gpt_trains_and_resumes_exactly(tmp_path):
+def val_losses(stdout):
+    return [float(x) for x in re.findall(r"^step\s+\d+ \| val loss ([0-9.]+)", stdout, re.M)]
+
+
+def test_train_gpt_trains_resumes_exactly_and_fine_tunes_from_its_weights(tmp_path):
     run = TINY_GPT + ["--stage=3", "--accum_steps=2"]
     first = run_train_gpt(run + [f"--out_dir={tmp_path / 'a'}", "--max_iters=8"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -1203,17 +1376,28 @@ def test_train_gpt_trains_and_resumes_exactly(tmp_path):
     assert {s: whole[s] for s in range(1, 9)} == losses
     assert {s: whole[s] for s in range(9, 13)} == pytest.approx(after, abs=2e-3)
 
+    # its weights as a plain state_dict file start a new run (built on the meta device) where it ended
+    weights = str(tmp_path / "model.pt")
+    subprocess.run([sys.executable, "zero.py", "consolidate", str(tmp_path / "a" / "ckpt"), weights], check=True,
+                   cwd=HERE, capture_output=True)
+    tuned = run_train_gpt(run + [f"--out_dir={tmp_path / 'c'}", "--max_iters=2", f"--init_from={weights}"])
+    assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
+    assert val_losses(tuned.stdout)[0] == val_losses(resumed.stdout)[-1], (tuned.stdout, resumed.stdout)
+
 
 @pytest.mark.parametrize("args, message", [
     (["--no_such_option=1"], "unknown option --no_such_option"),
     (["--max_iters=ten"], "--max_iters=ten: expected int"),
     (["--data=/no/such/dataset"], "--data=/no/such/dataset: no such file or directory"),
     (["--data=SHORT"], "fewer than one block"),
+    (["--init_from=OTHER"], "does not fit this model (load_state_dict: missing ['wpe.weight'"),
 ])
 def test_train_gpt_bad_input_is_one_line(tmp_path, args, message):
     short = tmp_path / "short.txt"
     short.write_bytes(b"print('hi')\n")  # 12 bytes: not one 128-token block
-    args = [a.replace("SHORT", str(short)) for a in args] + [f"--out_dir={tmp_path}"]
+    torch.save({"wte.weight": torch.zeros(3, 3)}, tmp_path / "other.pt")   # another model's weights
+    args = [a.replace("SHORT", str(short)).replace("OTHER", str(tmp_path / "other.pt")) for a in args]
+    args += [f"--out_dir={tmp_path}"]
     r = run_train_gpt(args, nproc=0, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr

@@ -14,6 +14,12 @@ prints a sample. Settings are the commented globals below; override any with --k
       --warmup_iters=2000 --max_iters=600000 --eval_interval=1000 --eval_iters=200
                                       # GPT-2 124M on OpenWebText (nanoGPT's data/openwebtext/prepare.py)
   python train_gpt.py --resume=True --max_iters=1000             # continue from out_dir's checkpoint
+  python zero.py consolidate out/ckpt model.pt && python train_gpt.py --init_from=model.pt --out_dir=ft
+                                                                 # fine-tune from a plain state_dict file
+
+The model is built on the meta device (shapes only) and zero.Zero makes it real one block at a
+time, so a rank never holds more than its shards and a few blocks: --model=gpt2-xl --stage=3
+starts on ranks that could never hold gpt2-xl whole.
 """
 import ast, dataclasses, difflib, json, math, os, pickle, resource, sys, sysconfig, time
 import numpy as np
@@ -43,6 +49,7 @@ eval_interval = 100     # validation loss every this many steps (and at the firs
 eval_iters = 10         # validation batches per evaluation
 ckpt_interval = 1000    # checkpoint every this many steps (and always at the end)
 resume = False          # continue from out_dir's checkpoint: weights, optimizer, step and data stream
+init_from = ""          # start from the weights of a plain state_dict file (python zero.py consolidate's output)
 seed = 1337             # model init and the data stream
 # learning rate: linear warm-up, then cosine decay to min_lr
 warmup_iters = 50       # steps of linear warm-up from 0
@@ -126,13 +133,14 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_head, n_embd):
+    def __init__(self, n_head, n_embd, n_layer):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention(n_head, n_embd)
         self.ln2 = nn.LayerNorm(n_embd)
         # GPT-2's MLP: 4x wider, tanh-approximated GELU
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate="tanh"),
                                  nn.Linear(4 * n_embd, n_embd))
+        self.attn.proj.residual_of = self.mlp[2].residual_of = n_layer  # init_weights scales these down
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))  # pre-norm: the residual stream itself is never normalized
@@ -144,16 +152,11 @@ class GPT(nn.Module):
         super().__init__()
         self.block_size = block_size
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_head, n_embd) for _ in range(n_layer))  # each block: one zero unit
+        self.blocks = nn.ModuleList(Block(n_head, n_embd, n_layer) for _ in range(n_layer))  # each: one zero unit
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied: zero puts a parameter shared like this in the root unit
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() == 2:  # GPT-2 init; residual projections scaled down by depth so the stream stays ~unit
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
+        self.apply(init_weights)  # a no-op on the meta device, where zero.Zero calls it unit by unit
 
     def forward(self, idx, targets=None):
         T = idx.shape[1]
@@ -165,6 +168,17 @@ class GPT(nn.Module):
             return self.head(x[:, -1]).float()
         logits = self.head(x).float()  # the softmax in fp32 whatever the compute dtype
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def init_weights(module):
+    """GPT-2's init, one module at a time (as nn.Module.apply and zero.Zero's init_fn call it): weights
+    N(0, 0.02), residual projections scaled down by depth so the stream stays ~unit; zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, 0.0, 0.02 / math.sqrt(2 * getattr(module, "residual_of", 0.5)))
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
 
 
 @torch.no_grad()
@@ -322,14 +336,22 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     splits, vocab_size, encode, decode = load_data(data, block_size, out_dir, local_rank)
 
-    torch.manual_seed(seed)  # the same init on every rank
-    with device:  # built where it trains: a GPU initializes gpt2-xl in seconds, a CPU in a minute
+    torch.manual_seed(seed)  # the same init on every run (zero.Zero also gives every rank rank 0's weights)
+    with torch.device("meta"):  # shapes only: zero.Zero builds and initializes it one block at a time
         net = GPT(vocab_size, n_layer, n_head, n_embd, block_size)
     n_params = sum(p.numel() for p in net.parameters())  # the tied head is counted once
     try:
-        engine = zero.Zero(net, zcfg)
+        engine = zero.Zero(net, zcfg, init_fn=init_weights)
     except ValueError as e:  # zero names a bad config (stage=7, offload at stage 0...) and its fix
         fail(str(e))
+    if init_from and not resume:
+        if not os.path.isfile(init_from):
+            fail(f"--init_from={init_from}: no such file")
+        try:  # memory-mapped: each rank reads only the slices it keeps
+            engine.load_state_dict(torch.load(init_from, map_location="cpu", mmap=True, weights_only=True))
+        except (ValueError, RuntimeError) as e:  # another model or vocabulary: zero lists what does not fit
+            fail(f"--init_from={init_from} does not fit this model ({str(e).removeprefix('zero: ')}); "
+                 "use the --model/--n_layer/--n_embd/--data it was trained with")
     step = 0
     if resume:
         try:

@@ -1250,14 +1250,16 @@ class Zero:
         _restore(self, lambda: (read, extra), "load the state_dict")
         for u in self.units:
             u.steps = [0] * len(u.params)
-        return collections.namedtuple("Incompatible", "missing_keys unexpected_keys wrong_shapes")(
-            missing, unexpected, shapes)
+        return LoadResult(missing, unexpected, shapes)
 
     def _refuse_state_dict(self, *args, **kwargs):
         raise RuntimeError("zero: model.state_dict() after zero.Zero(model) would not hold the trained weights "
                            "(the fp32 master weights are sharded across ranks; at stage 3 the parameters too). Use "
                            "engine.full_state_dict() (every rank calls it; rank0_only=True keeps it on rank 0 only) "
                            "or zero.save(engine, dir)")
+
+
+LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys wrong_shapes")
 
 
 class _OutOfPlaceUse(torch.overrides.TorchFunctionMode):

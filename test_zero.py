@@ -853,6 +853,98 @@ def test_building_on_the_meta_device_holds_shards_plus_a_few_units():
 
 
 # -----------------------------------------------------------------------------
+# hybrid sharding: model states sharded inside groups of k consecutive ranks, replicated across groups
+
+HYBRID = [(s, d, 1, False) for s in (1, 2, 3) for d in ("fp32", "bf16")] + [(s, "fp32", 2, False) for s in (2, 3)] \
+    + [(s, "bf16", 1, True) for s in (1, 2, 3)]
+
+
+def _hybrid_cases(rank, world, ckpt):
+    out, groups = {}, []
+    real = {"ag": zero._all_gather, "rs": zero._reduce_scatter}
+
+    def spy(kind):
+        def run(out_, inp, group=None, **kw):
+            groups.append((kind, tuple(dist.get_process_group_ranks(group))))
+            return real[kind](out_, inp, group=group, **kw)
+        return run
+    zero._all_gather, zero._reduce_scatter = spy("ag"), spy("rs")
+    for stage, dtype, accum, offload in HYBRID:
+        cfg = zero.Config(stage=stage, dtype=dtype, lr=LR, accum_steps=accum, offload=offload, shard_group=2)
+        out[(stage, dtype, accum, offload)] = train(rank, world, cfg, STEPS, 16)
+    zero._all_gather, zero._reduce_scatter = real["ag"], real["rs"]
+    out["groups"] = sorted(set(groups))
+    # a checkpoint saved by 2 groups of 2, loaded below at 2 ranks stage 1 and at 1 rank
+    engine = zero.Zero(make_model(), zero.Config(stage=3, dtype="fp32", lr=LR, shard_group=2))
+    _run(rank, world, engine, 2, 0)
+    zero.save(engine, ckpt)
+    out["saved"] = engine.full_state_dict()
+    out["losses"] = _run(rank, world, engine, 3, 2)
+    try:
+        zero.Zero(make_model(), zero.Config(stage=2, shard_group=3))
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+def test_hybrid_sharding_matches_adamw_and_its_formulas(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    res = spawn(_hybrid_cases, 4, ckpt)
+    for rank, r in enumerate(res):
+        # gathers and reduce-scatters only ever inside the rank's own shard group of 2 consecutive ranks
+        group = (rank // 2 * 2, rank // 2 * 2 + 1)
+        assert {g for _, g in r["groups"]} == {group} and {k for k, _ in r["groups"]} == {"ag", "rs"}, r["groups"]
+        assert "shard_group=3 does not divide the 4 ranks" in r["bad"]
+    r0 = res[0]
+    refs = {1: reference(STEPS, 16, zero.Config(lr=LR)), 2: reference(STEPS, 16, zero.Config(lr=LR), accum=2)}
+    for (stage, dtype, accum, offload), r in ((k, v) for k, v in r0.items() if isinstance(k, tuple)):
+        tag = f"hybrid stage {stage} {dtype} accum {accum} offload {offload}"
+        _check_parity(r, dtype, refs[1], tag)
+        padded, k, reps = r["psi_padded"], 2, 2
+        assert r["mem"] == zero.estimate_memory(padded, 4, stage, dtype, offload=offload, shard_group=k), tag
+        comm = {kind: v["elements"] for kind, v in r["comm"].items()}
+        # inside the group, per step: the reduce-scatters (stages 2-3: one per micro-batch) and the all-gathers
+        # (stage 3: for each micro-batch's forward and backward, the root once)
+        f, micro = (k - 1) / k, accum if stage >= 2 else 1
+        gathers = accum * (2 * padded - r["root"]) if stage == 3 else padded
+        assert (comm["reduce_scatter"], comm["all_gather"]) == (micro * padded * f, gathers * f), (tag, comm)
+        # across groups: the all-reduce of this rank's Ψ/k shard among the N/k replicas, once per step
+        assert comm["replica_all_reduce"] == 2 * padded / k * (reps - 1) / reps, (tag, comm)
+    # the checkpoint of the 2 x 2 run loads on 2 ranks at stage 1 and on 1 rank, and goes on the same
+    want = [sum(r["losses"][i] for r in res) / 4 for i in range(3)]
+    for world, stage in ((2, 1), (1, 0)):
+        out = spawn(_reshard_load, world, stage, ckpt)
+        for key, v in r0["saved"].items():
+            assert torch.equal(out[0][1][key], v), (world, stage, key)
+        got = [sum(o[0][i] for o in out) / world for i in range(3)]
+        assert got == pytest.approx(want, rel=1e-5), (world, stage, got, want)
+
+
+def _side_by_side(rank, world):
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]   # every rank makes both groups, in one order
+    half, me = rank // 2, rank % 2
+    engine = zero.Zero(make_model(seed=half), zero.Config(stage=3, dtype="fp32", lr=LR), group=halves[half])
+    xs, ys = make_batches(STEPS, BATCH)
+    per, losses = BATCH // 2, []
+    for s in range(STEPS):
+        loss = engine(xs[s, me * per:(me + 1) * per], ys[s, me * per:(me + 1) * per])["loss"]
+        engine.backward(loss)
+        t = loss.detach().clone()
+        dist.all_reduce(t, group=halves[half])
+        losses.append(t.item() / 2)
+        engine.step()
+    return dict(losses=losses, norms=[], oks=[True], sd=engine.full_state_dict(), world=engine.world)
+
+
+def test_two_engines_side_by_side_on_groups_the_user_gives():
+    res = spawn(_side_by_side, 4)
+    for rank, r in enumerate(res):
+        assert r["world"] == 2
+        ref = reference(STEPS, BATCH, zero.Config(lr=LR), seed=rank // 2)
+        _check_parity(r, "fp32", ref, f"half {rank // 2}", init=make_model(seed=rank // 2).state_dict())
+
+
+# -----------------------------------------------------------------------------
 # fp16 overflow: an inf in one rank's gradient skips the step on every rank and loses nothing
 
 def _state(engine):
@@ -1019,6 +1111,11 @@ def test_estimate_reproduces_the_paper():
                          capture_output=True, text=True, check=True, cwd=HERE).stdout
     totals = [line.split()[-1] for line in out.splitlines()[2:6]]
     assert totals == ["120.0", "31.4", "16.6", "1.9"], out
+    # hybrid sharding, 8 ranks per shard group: the formula with N = 8 (stage 0 shards nothing)
+    out = subprocess.run([sys.executable, "zero.py", "estimate", "--params", "7.5e9", "--world-size", "64",
+                          "--shard-group", "8"], capture_output=True, text=True, check=True, cwd=HERE).stdout
+    totals = [line.split()[-1] for line in out.splitlines()[2:6]]
+    assert totals == ["120.0", "41.2", "28.1", "15.0"], out
 
 
 # -----------------------------------------------------------------------------

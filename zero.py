@@ -582,10 +582,7 @@ class Zero:
                        offload=int(c.offload), checkpoint=int(c.checkpoint), shard_group=c.shard_group,
                        units=len(self.units), params=sum(u.numel for u in self.units),
                        layout=zlib.crc32(layout.encode()), config=zlib.crc32(repr(asdict(c)).encode()))
-        mine = torch.tensor(list(fields_.values()), dtype=torch.int64, device=self.device)
-        every = torch.empty(self.world * len(mine), dtype=torch.int64, device=self.device)
-        self.net.all_gather(every, mine, kind="setup", purpose="world")
-        every = every.view(self.world, -1).tolist()
+        every = _all_gather_object(self.net, list(fields_.values()))
         for r, row in enumerate(every):
             diff = [f"{k}: rank 0 has {a}, rank {r} has {b}" for k, a, b in zip(fields_, every[0], row) if a != b]
             if diff:

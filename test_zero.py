@@ -105,7 +105,7 @@ class Block(nn.Module):
 
 
 class TinyNet(nn.Module):
-    def __init__(self, vocab=29, d=14, h=37, n_blocks=3, seq=8, share=False, dropout=0.0):
+    def __init__(self, vocab=29, d=14, h=37, n_blocks=3, seq=8, share=False, dropout=0.0, tie=True):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(Block(d, h) for _ in range(n_blocks))
@@ -113,7 +113,8 @@ class TinyNet(nn.Module):
             b.drop.p = dropout
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight                      # tied
+        if tie:
+            self.head.weight = self.emb.weight                  # tied
         self.register_buffer("pos", torch.randn(seq, d) * 0.1)  # a buffer
         self.gain = nn.Parameter(torch.full((d,), 1.5), requires_grad=False)  # frozen
         if share:                                               # one weight in two blocks: goes to root
@@ -942,6 +943,130 @@ def test_two_engines_side_by_side_on_groups_the_user_gives():
         assert r["world"] == 2
         ref = reference(STEPS, BATCH, zero.Config(lr=LR), seed=rank // 2)
         _check_parity(r, "fp32", ref, f"half {rank // 2}", init=make_model(seed=rank // 2).state_dict())
+
+
+# -----------------------------------------------------------------------------
+# torch's optimizer habits: parameter groups with their own lr and weight decay, driven by torch's
+# LR schedulers through engine.optimizer, against torch's AdamW with the same groups and scheduler
+
+def three_groups(model):
+    """No decay on 1-D tensors, decay on the rest, and the (untied) head at 3x the lr without decay."""
+    head = [model.head.weight]
+    rest = [p for p in model.parameters() if p.requires_grad and all(p is not h for h in head)]
+    return [dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0),
+            dict(params=[p for p in rest if p.dim() >= 2], weight_decay=0.1),
+            dict(params=head, lr=3 * LR, weight_decay=0.0)]
+
+
+def layerwise(model):
+    """Layer-wise lr decay for fine-tuning: the head at the full lr, each block below it 0.7x the one above."""
+    L = len(model.blocks)
+    groups = [dict(params=[model.emb.weight], lr=LR * 0.7 ** (L + 1), betas=(0.8, 0.99), eps=1e-6)]
+    groups += [dict(params=list(b.parameters()), lr=LR * 0.7 ** (L - i)) for i, b in enumerate(model.blocks)]
+    return groups + [dict(params=[model.head.weight, *model.norm.parameters()], lr=LR)]
+
+
+WARMUP = lambda s: min(1.0, (s + 1) / 3)   # noqa: E731
+
+
+def groups_reference(make_groups, steps=STEPS, batch=BATCH):
+    model = make_model(tie=False)
+    opt = torch.optim.AdamW(make_groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WARMUP)
+    xs, ys = make_batches(steps, batch)
+    losses, norms = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = model(xs[s], ys[s])["loss"]
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _group_cases(rank, world, cases):
+    out = {}
+    for stage, dtype, offload, name in cases:
+        model = make_model(tie=False)
+        groups = {"three": three_groups, "layerwise": layerwise}[name](model)
+        engine = zero.Zero(model, zero.Config(stage=stage, dtype=dtype, lr=LR, offload=offload), param_groups=groups)
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, WARMUP)
+        xs, ys = make_batches(STEPS, BATCH)
+        per, losses, norms, lrs = BATCH // world, [], [], []
+        for s in range(STEPS):
+            loss = engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"]
+            engine.backward(loss)
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+            engine.optimizer.zero_grad()    # harmless: torch code calls it out of habit
+            (engine.step if s % 2 else engine.optimizer.step)()   # the same thing either way
+            sched.step()
+            norms.append(engine.grad_norm)
+            lrs.append([g["lr"] for g in engine.optimizer.param_groups])
+        out[(stage, dtype, offload, name)] = dict(losses=losses, norms=norms, oks=[True], sd=engine.full_state_dict(),
+                                                  lrs=lrs, sched=sched.state_dict())
+    return out if rank == 0 else None
+
+
+GROUP_CASES = [(s, d, False, "three") for s in range(4) for d in ("fp32", "bf16")] \
+    + [(s, "bf16", True, "three") for s in (1, 2, 3)] + [(s, "fp32", False, "layerwise") for s in (0, 3)]
+
+
+def test_param_groups_and_torch_schedulers_match_torch_adamw():
+    res = spawn(_group_cases, 2, GROUP_CASES)[0]
+    refs = {n: groups_reference(g) for n, g in (("three", three_groups), ("layerwise", layerwise))}
+    init = make_model(tie=False).state_dict()
+    for (stage, dtype, offload, name), r in res.items():
+        _check_parity(r, dtype, refs[name], f"{name} groups, stage {stage} {dtype} offload {offload}", init=init)
+        assert r["lrs"][0][-1] == pytest.approx((3 * LR if name == "three" else LR) * WARMUP(1))
+        assert r["sched"]["last_epoch"] == STEPS
+
+
+def test_param_group_errors_and_defaults():
+    model = make_model(tie=False)
+    blocks = list(model.blocks.parameters())
+    cases = [([dict(params=blocks), dict(params=[model.blocks[0].fc1.weight])],
+              "'blocks.0.fc1.weight' is in param_groups 0 and 1"),
+             ([dict(params=[model.gain])], "param_groups[0] holds 'gain', which does not require grad"),
+             ([dict(params=[torch.zeros(3, requires_grad=True)])], "a tensor of shape (3,) that is not a parameter"),
+             ([dict(params=blocks, momentum=0.9)], "param_groups[0] has unknown keys ['momentum']")]
+    for groups, match in cases:
+        with pytest.raises(ValueError, match=re.escape(match)):
+            zero.Zero(model, zero.Config(), param_groups=groups)
+    # parameters listed in no group: Config's values, weight decay on >= 2-D tensors only (today's rule)
+    engine = zero.Zero(make_model(), zero.Config(lr=1e-3, weight_decay=0.05))
+    assert [(len(g["params"]), g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups] == \
+        [(sum(p.dim() >= 2 for p in engine.module.parameters() if p.requires_grad), 1e-3, 0.05),
+         (sum(p.dim() < 2 for p in engine.module.parameters() if p.requires_grad), 1e-3, 0.0)]
+    engine.lr = 5e-4                        # every group
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [5e-4, 5e-4] and engine.lr == 5e-4
+
+
+def _group_ckpt(rank, world, ckpt, save):
+    model = make_model(tie=False)
+    engine = zero.Zero(model, zero.Config(stage=3 if save else 1, dtype="fp32", lr=LR), param_groups=three_groups(model))
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, WARMUP)
+    if save:
+        _run(rank, world, engine, 2, 0)
+        for _ in range(2):
+            sched.step()
+        engine.optimizer.param_groups[1]["weight_decay"] = 0.02     # set by hand: kept too
+        zero.save(engine, ckpt)
+        torch.save(sched.state_dict(), ckpt + ".sched")
+    else:
+        zero.load(engine, ckpt)
+        sched.load_state_dict(torch.load(ckpt + ".sched", weights_only=True))
+    return [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups], sched.state_dict()
+
+
+def test_param_groups_go_through_checkpoints(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    saved = spawn(_group_ckpt, 2, ckpt, True)[0]
+    loaded = spawn(_group_ckpt, 1, ckpt, False)[0]
+    assert loaded == saved and saved[0][1]["weight_decay"] == 0.02 and saved[0][2]["lr"] == 3 * LR * WARMUP(2)
 
 
 # -----------------------------------------------------------------------------

@@ -8,7 +8,8 @@ grad clip 1.0): DDP + AdamW, DDP + ZeroRedundancyOptimizer and FSDP2
 
   1. model-state memory per rank: engine.memory() vs zero.estimate_memory vs the
      peers' tensors, and the ZeRO paper's formula at 7.5B and 1T parameters;
-  2. communication per step and rank (engine.comm()) vs 2Ψ(N-1)/N and 3Ψ(N-1)/N;
+  2. communication per step and rank (engine.comm()) vs 2Ψ(N-1)/N and 3Ψ(N-1)/N; hybrid sharding
+     (shard groups of 2 at 4 ranks) against plain stage 3, and the formula at 7.5B on 64 GPUs;
   3. throughput at 2 gloo ranks, as ratios against the peers, with our targets;
   4. CPU AdamW params/s, activation memory with and without recompute, and how
      much of the host update offload hides behind the next forward;
@@ -277,12 +278,60 @@ def report_comm(res, psi, world):
         stage, item = stage_of(name), torch.finfo(getattr(torch, {"bf16": "bfloat16"}.get(dtype, "float32"))).bits // 8
         k = 3 if stage == 3 else 2
         want = k * psi * (world - 1) / world * item
-        got = sum(v["bytes"] for v in c.values())
+        got = sum(v["bytes"] for kind, v in c.items() if kind not in ("d2h", "h2d"))
+        host = [c.get(kind, {}).get("bytes", 0) / MB for kind in ("d2h", "h2d")]
         rows.append([name, dtype] + [f"{c.get(kind, {}).get('bytes', 0) / MB:.3f} ({c.get(kind, {}).get('calls', 0)})"
                                      for kind in ("all_reduce", "reduce_scatter", "all_gather", "scalar")]
-                    + [f"{got / MB:.3f}", f"{k}Ψ(N-1)/N = {want / MB:.3f}", f"{got / want:.3f}"])
+                    + [f"{got / MB:.3f}", f"{k}Ψ(N-1)/N = {want / MB:.3f}", f"{got / want:.3f}",
+                       f"{host[0]:.3f} / {host[1]:.3f}" if any(host) else "—"])
     table(["variant", "dtype", "all-reduce (calls)", "reduce-scatter", "all-gather", "scalar", "total", "formula",
-           "total / formula"], rows)
+           "total / formula", "offload: device→host / host→device"], rows)
+    print("Offload moves each gradient shard to the host and the updated 16-bit shard back, in the compute dtype: "
+          "Ψ/N elements each way per step (the ZeRO-Offload paper's minimum).\n")
+
+
+def hybrid_job(rank, world, o):
+    """One bf16 step of stage 3 over all ranks and in shard groups of 2: bytes per kind, memory."""
+    out = {}
+    for k in (0, 2):
+        model = make_gpt(o["mem_preset"])
+        eng = zero.Zero(model, zero.Config(stage=3, dtype="bf16", shard_group=k, **OPT))
+        for _ in range(2):
+            eng.backward(eng(*batch(model, 1, rank)))
+            eng.step()
+        out[k] = (eng.comm(), sum(eng.memory()["device"].values()), eng.num_params(padded=True))
+    return out
+
+
+def report_hybrid(res, psi, world):
+    print(f"### 2b. Hybrid sharding: stage 3, bf16, {world} ranks as 2 groups of 2 vs one group of {world} "
+          f"({psi / 1e6:.2f}M params, MB = 1e6 B)\n")
+    print("Per step and rank, from engine.comm(). Inside: the all-gathers and reduce-scatters, which stay in the "
+          "shard group (a node); across: the all-reduce of the reduced shard among the ranks holding it, once "
+          "per step. Formula: inside (3Ψ - Ψ_root)(k-1)/k, across 2(Ψ/k)(R-1)/R elements, R = N/k replicas.\n")
+    rows = []
+    for k, (c, mem, padded) in res.items():
+        n = k or world
+        inside = sum(c.get(x, {}).get("bytes", 0) for x in ("all_gather", "reduce_scatter"))
+        across = c.get("replica_all_reduce", {}).get("bytes", 0)
+        reps = world // n
+        f_across = 2 * padded / n * (reps - 1) / reps * 2
+        rows.append([f"shard_group={k or world}" + (" (all ranks)" if not k else ""), f"{inside / MB:.3f}",
+                     f"{across / MB:.3f}", f"{f_across / MB:.3f}", f"{mem / MB:.2f}",
+                     f"{sum(zero.estimate_memory(padded, world, 3, 'bf16', shard_group=k)['device'].values()) / MB:.2f}"])
+    table(["variant", "inside the group", "across groups", "across: formula", "memory/rank", "formula"], rows)
+    print("7.5B parameters on 64 GPUs, 8 per node, fp16 (zero.estimate_memory; traffic per step and rank, GB = 1e9 "
+          "B): plain stage 3 shards over all 64 ranks, so every collective crosses nodes; shard groups of 8 keep "
+          "the all-gathers and reduce-scatters inside a node and send only the shard's all-reduce across.\n")
+    p, n, k = 7.5e9, 64, 8
+    rows = []
+    for name, g in (("stage 3, shard_group=0 (all 64)", 0), ("stage 3, shard_group=8 (a node)", k)):
+        m = sum(zero.estimate_memory(p, n, 3, "fp16", shard_group=g)["device"].values()) / GB
+        size = g or n
+        inside = 3 * p * (size - 1) / size * 2 / GB
+        across = 2 * p / size * (n // size - 1) / (n // size) * 2 / GB if g else inside
+        rows.append([name, f"{m:.1f}", f"{inside:.1f}" if g else "—", f"{across:.1f}"])
+    table(["7.5B / 64 GPUs", "model states per rank (GB)", "inside a node (GB)", "across nodes (GB)"], rows)
 
 
 def report_tput(res, o):
@@ -533,6 +582,10 @@ def main():
         section(report_tput, res, o)
     except Exception as e:
         print(f"**the 2-rank job failed:**\n```\n{e}\n```\n")
+    try:
+        section(report_hybrid, spawn(hybrid_job, 4, (o,), timeout=300), psi, 4)
+    except Exception as e:
+        print(f"**the 4-rank hybrid job failed:**\n```\n{e}\n```\n")
     section(report_adam, [1_000_000] if quick else [10_000_000, 50_000_000, 200_000_000], 2 if quick else 7)
     section(report_activations, o)
     section(report_offload, o)

@@ -13,6 +13,8 @@ prints a sample. Settings are the commented globals below; override any with --k
       --stage=3 --dtype=fp16 --offload=True --batch_size=12 --accum_steps=5 --lr=6e-4 --min_lr=6e-5 \
       --warmup_iters=2000 --max_iters=600000 --eval_interval=1000 --eval_iters=200
                                       # GPT-2 124M on OpenWebText (nanoGPT's data/openwebtext/prepare.py)
+  torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train_gpt.py \
+      --model=gpt2-xl --stage=3 --shard_group=8     # two nodes: shard inside each node, replicate across
   python train_gpt.py --resume=True --max_iters=1000             # continue from out_dir's checkpoint
   python zero.py consolidate out/ckpt model.pt && python train_gpt.py --init_from=model.pt --out_dir=ft
                                                                  # fine-tune from a plain state_dict file
@@ -340,8 +342,12 @@ def main():
     with torch.device("meta"):  # shapes only: zero.Zero builds and initializes it one block at a time
         net = GPT(vocab_size, n_layer, n_head, n_embd, block_size)
     n_params = sum(p.numel() for p in net.parameters())  # the tied head is counted once
+    # nanoGPT's optimizer groups: weight decay on the 2-D weights (matmuls, embeddings), none on biases and norms
+    params = [p for p in net.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     try:
-        engine = zero.Zero(net, zcfg, init_fn=init_weights)
+        engine = zero.Zero(net, zcfg, init_fn=init_weights, param_groups=groups)
     except ValueError as e:  # zero names a bad config (stage=7, offload at stage 0...) and its fix
         fail(str(e))
     if init_from and not resume:
@@ -371,7 +377,7 @@ def main():
         print("config: " + " ".join(f"{k}={v}" for k, v in cfg.items()))
         print(f"model: {n_params / 1e6:.2f}M parameters, vocab {vocab_size} | world {world} on {gpu or device.type} | "
               f"{tokens_per_step:,} tokens/step | tokens train {len(splits['train']):,} val {len(splits['val']):,}")
-        est = zero.estimate_memory(n_params, world, stage, dtype=cfg["dtype"], offload=offload)
+        est = zero.estimate_memory(n_params, world, stage, dtype=cfg["dtype"], offload=offload, shard_group=shard_group)
         mem = engine.memory()
         for where in ("device", "host"):
             print(f"memory/rank {where:6s} engine: {mib(mem[where])} | estimate: {mib(est[where])}")
@@ -408,7 +414,8 @@ def main():
             loss_sum += loss.detach()
         # the mean over ranks for the log; its .item() also waits for the device, so the timing is honest
         loss_avg = mean_over_ranks(loss_sum / accum_steps, device)
-        engine.lr = get_lr(step)  # set just before step(): offload's host Adam may read it until the next forward
+        for group in engine.optimizer.param_groups:  # torch's way: step() reads every group's lr as it is now
+            group["lr"] = get_lr(step)
         ok = engine.step()
         step += 1
         ms = (time.time() - t0) * 1000

@@ -196,11 +196,12 @@ class Comm:
         # a bounded wait: a dead or diverged rank becomes an error here, not a hang
         try:
             done = work is None or work.wait(self.timeout)
-        except RuntimeError as e:   # gloo: sizes that do not match, a peer that closed its connection
-            raise RuntimeError("zero: a collective failed: another rank died or ran a different collective") from e
-        if not done:
-            raise RuntimeError(f"zero: a collective did not finish in {self.timeout}; another rank died or "
-                               "took another code path (raise Config.timeout_s if it is just slow)")
+        except RuntimeError as e:   # gloo raises on a timeout, on sizes that do not match, on a dead peer
+            done = e
+        if done is not True:
+            raise RuntimeError(f"zero: a collective failed or did not finish in {self.timeout}: another rank died, "
+                               "or ran other collectives (at stage 3: called a unit a different number of times; "
+                               "raise Config.timeout_s if it is just slow)") from (done or None)
 
     def all_reduce(self, t, purpose="world", kind="scalar", sync=True, op=dist.ReduceOp.SUM):
         pg, n = self.groups[purpose]
@@ -452,7 +453,7 @@ class Zero:
         self.in_flight = []                 # gradient collectives launched and not yet finished
         self.peak_gathered_bytes = 0        # stage 3: the most bytes of whole units held at once
         self.last_comm = {}
-        self.fwd_next = self.bwd_next = self.launch_next = 0   # the schedules' cursors (see above)
+        self.cursor, self.launch_next = [0, 0], 0   # the schedules' places: forward, backward; launches
         self.running = self.last_ran = self.check = None
         # where the shard state (master, moments, gradient shard) lives: the device, or the host with offload
         self.host = torch.device("cpu") if cfg.offload else self.device
@@ -725,41 +726,28 @@ class Zero:
         if self.cfg.stage == 3 and u.gathered and u is not self.root and not u.keep:
             self._free(u)
 
-    def _forward_to(self, u):
-        """Forward schedule: every unit before u in `order` that this rank did not run is gathered (and
-        freed) in its turn, as the ranks that do run it gather it; then u. u=None: to the end."""
-        end = u.pos if u is not None else len(self.order) - 1
-        while self.fwd_next <= end:
-            v = self.order[self.fwd_next]
-            self.fwd_next += 1
+    def _gather_to(self, u, back=False):
+        """The gather schedule: the units of `order`, reversed for the backward. Every unit before u that
+        this rank did not run is gathered (and freed) in its turn, as the ranks that do run it gather it;
+        then u, and the next one's gather starts (prefetch). u=None: to the end of the schedule."""
+        order = self.rorder if back else self.order
+        end = len(order) - 1 if u is None else u.rpos if back else u.pos
+        while self.cursor[back] <= end:
+            v = order[self.cursor[back]]
+            self.cursor[back] += 1
             self._gather(v)
             if v is not u:
                 self._release(v)
         if u is not None:
-            if not u.gathered:              # a unit run a second time in this forward
+            if not u.gathered:              # out of turn: a unit run twice in a forward, or its turn passed
                 self._gather(u)
-            if self.fwd_next < len(self.order):
-                self._prefetch(self.order[self.fwd_next])
-
-    def _backward_to(self, u):
-        """Backward schedule, the same in reverse order; u=None: to the end."""
-        end = u.rpos if u is not None else len(self.rorder) - 1
-        while self.bwd_next <= end:
-            v = self.rorder[self.bwd_next]
-            self.bwd_next += 1
-            self._gather(v)
-            if v is not u:
-                self._release(v)
-        if u is not None:
-            if not u.gathered:              # out of turn (its turn passed, and it was freed)
-                self._gather(u)
-            if self.bwd_next < len(self.rorder):
-                self._prefetch(self.rorder[self.bwd_next])
+            if self.cursor[back] < len(order):
+                self._prefetch(order[self.cursor[back]])
 
     # -- forward hooks (stage 3 and offload)
 
     def _begin_forward(self, model, args):
-        self.fwd_next, self.last_ran = 0, None
+        self.cursor[0], self.last_ran = 0, None
         # the root, and units whose parameters are used outside their forward, stay whole through backward
         for u in [u for u in self.units if u is self.root or u.keep]:
             self._gather(u)
@@ -770,7 +758,7 @@ class Zero:
     def _pre_forward(self, u, module, args, kwargs):
         if self.last_ran is not None and self.last_ran is not u:
             self._release(self.last_ran)    # freed once another unit starts: a unit run twice in a row stays
-        self._forward_to(u)
+        self._gather_to(u)
         self.running = self.last_ran = u
         self.ran.append(u.index)
 
@@ -795,7 +783,7 @@ class Zero:
         if self.last_ran is not None:
             self._release(self.last_ran)
             self.last_ran = None
-        self._forward_to(None)              # units after the last one this rank ran
+        self._gather_to(None)              # units after the last one this rank ran
         if not torch.is_grad_enabled():     # no backward follows (evaluation, generation)
             for u in self.units:
                 if u.gathered and self.cfg.stage == 3:
@@ -805,7 +793,7 @@ class Zero:
         # runs when the gradient of u's output is ready, before any of u's own backward (or its recompute);
         # a unit whose gradients are all in is never gathered again in this backward
         if not u.done:
-            self._backward_to(u)
+            self._gather_to(u, back=True)
 
     # -- backward: gradients are copied into the unit's flat gradient as they arrive
 
@@ -901,7 +889,7 @@ class Zero:
         for u in self.units:
             u.expected, u.arrived, u.done = sum(p.requires_grad for p in u.params), 0, False
             u.ready = u.expected == 0
-        self.in_flight, self.launch_next, self.bwd_next = [], 0, 0
+        self.in_flight, self.launch_next, self.cursor[1] = [], 0, 0
         self._launch_ready()
         if self.cfg.stage == 3 and self.rorder:
             self._prefetch(self.rorder[0])  # the forward's last block is the first one back
@@ -916,7 +904,7 @@ class Zero:
                 "use_cache = False), or use the model's own gradient_checkpointing_enable() with "
                 "checkpoint=False") from e
         if self.cfg.stage == 3:
-            self._backward_to(None)         # units this rank's backward never reached, gathered in their turn
+            self._gather_to(None, back=True)         # units this rank's backward never reached, gathered in their turn
         if self._reduces_now():
             for u in self.launch_order[self.launch_next:]:   # units with missing gradients, and the root
                 u.ready = True

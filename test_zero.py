@@ -105,8 +105,9 @@ class Block(nn.Module):
 
 
 class TinyNet(nn.Module):
-    def __init__(self, vocab=29, d=14, h=37, n_blocks=3, seq=8, share=False, dropout=0.0, tie=True):
+    def __init__(self, vocab=29, d=14, h=37, n_blocks=3, seq=8, share=False, dropout=0.0, tie=True, reverse=False):
         super().__init__()
+        self.reverse = reverse                                  # run the blocks last to first
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(Block(d, h) for _ in range(n_blocks))
         for b in self.blocks:
@@ -122,7 +123,7 @@ class TinyNet(nn.Module):
 
     def forward(self, idx, targets=None):
         x = self.emb(idx) + self.pos[: idx.shape[1]]
-        for b in self.blocks:
+        for b in self.blocks[::-1] if self.reverse else self.blocks:
             x = b(x)
         logits = self.head(self.norm(x) * self.gain)
         out = {"logits": logits}
@@ -1532,6 +1533,30 @@ def test_offload_process_exits_cleanly_right_after_step():
     for _ in range(3):
         p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr[-2000:]
+
+
+def _reversed_case(rank, world):
+    engine = zero.Zero(make_model(reverse=True), zero.Config(stage=3, dtype="fp32", lr=LR))
+    return _steps(rank, world, engine)
+
+
+def test_blocks_run_in_another_order_than_registered():
+    r = spawn(_reversed_case, 2)[0]
+    model = make_model(reverse=True)
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
+                            lr=LR, betas=(0.9, 0.95))
+    xs, ys = make_batches(STEPS, BATCH)
+    losses, norms = [], []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = model(xs[s], ys[s])["loss"]
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        losses.append(loss.item())
+    _check_parity(r, "fp32", (losses, norms, model.state_dict()), "blocks in reverse")
 
 
 def test_user_chosen_units():

@@ -828,7 +828,9 @@ def _build_memory(rank, world, meta, n_blocks, d):
     import resource
     torch.manual_seed(0)
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    meta_model()                            # the meta device's one-time setup (~75 MB of Python state) first
+    # a small model first, so that one-time costs (the meta device's setup is ~75 MB of Python state,
+    # first calls of kernels and of the process groups) are not counted as building the big one
+    zero.Zero(meta_model(), zero.Config(stage=3, dtype="bf16"), init_fn=init_tiny)
     dist.barrier()
     before = rss()
     with torch.device("meta" if meta else "cpu"):

@@ -1018,6 +1018,8 @@ class Zero:
             self.net.wait(work)
             if t is not u.grad_shard:
                 u.grad_shard.copy_(t)
+                for kind in ("h2d", "d2h"):
+                    self.net.count(kind, t.numel(), t.element_size())
 
     def _runs(self, u, used, hyper):
         """AdamW calls for u's owned range: one per run of adjacent parameters with equal hyperparameters

@@ -9,6 +9,7 @@ Multi-process cases run in spawned gloo groups (one torch thread each, every wai
 many cases share one spawn to keep the suite within a few minutes on 2 cores.
 """
 
+import copy
 import io
 import multiprocessing as mp
 import os
@@ -1559,6 +1560,45 @@ def test_blocks_run_in_another_order_than_registered():
         opt.step()
         losses.append(loss.item())
     _check_parity(r, "fp32", (losses, norms, model.state_dict()), "blocks in reverse")
+
+
+class Encoder(nn.Module):
+    def __init__(self, emb):
+        super().__init__()
+        self.emb, self.blocks = emb, nn.ModuleList([Block(14, 20), Block(14, 20)])
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class EncoderHead(nn.Module):
+    """Its encoder is also called on its own, as Hugging Face's generate() calls a T5's encoder."""
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Embedding(29, 14)
+        self.encoder, self.head = Encoder(self.shared), nn.Linear(14, 29)
+
+    def forward(self, idx, targets):
+        return F.cross_entropy(self.head(self.encoder(idx)).view(-1, 29), targets.reshape(-1))
+
+
+def test_stage3_a_part_of_the_model_called_on_its_own():
+    torch.manual_seed(0)
+    ref = EncoderHead()
+    engine = zero.Zero(copy.deepcopy(ref), zero.Config(stage=3, dtype="fp32", lr=0.0, grad_clip=0.0))
+    x, y = make_batches(2, 2)
+    engine.backward(engine(x[0], y[0]))
+    engine.step()
+    with torch.no_grad():                   # the root (the shared embedding) is gathered for it too
+        assert torch.allclose(engine.module.encoder(x[1]), ref.encoder(x[1]), atol=1e-6)
+    assert not any(u.gathered for u in engine.units)    # and freed again after it
+    engine.backward(engine(x[1], y[1]))
+    assert engine.step()
+    with pytest.raises(RuntimeError, match="zero.save"):   # the optimizer's state lives in the engine
+        engine.optimizer.state_dict()
 
 
 def test_user_chosen_units():

@@ -434,6 +434,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         pass                                # the engine moves each gradient into its flat buffer as it arrives
 
+    def state_dict(self):
+        raise RuntimeError("zero: the optimizer's state (fp32 master weights, Adam moments) lives in the engine's "
+                           "shards, not here: save and restore it with zero.save(engine, dir) / zero.load(engine, "
+                           "dir), which also keep every param group's values")
+
+    load_state_dict = state_dict
+
 
 class Zero:
     """Wraps a model: shards it in place into units, hooks its forward and backward, and
@@ -455,6 +462,7 @@ class Zero:
         self.last_comm = {}
         self.cursor, self.launch_next = [0, 0], 0   # the schedules' places: forward, backward; launches
         self.running = self.last_ran = self.check = None
+        self.depth = 0                      # modules outside the units now running, one inside the other
         # where the shard state (master, moments, gradient shard) lives: the device, or the host with offload
         self.host = torch.device("cpu") if cfg.offload else self.device
         self.pin = cfg.offload and torch.cuda.is_available()  # pinning needs CUDA; same code path without it
@@ -506,6 +514,7 @@ class Zero:
             self._place_frozen(mods)
             if id(m) in unit_of:
                 self._build(unit_of[id(m)])
+        outside = mods                      # the last: the model's modules outside every unit
 
         # -- hooks
         # a gradient hook per parameter (fires once per backward, after autograd summed all its uses);
@@ -514,8 +523,11 @@ class Zero:
             for i, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, i))
         if cfg.stage == 3 or cfg.offload:
-            model.register_forward_pre_hook(self._begin_forward)
-            model.register_forward_hook(self._end_forward)
+            # a forward begins when the first module outside the units starts (the model, or a part of it
+            # called directly, as Hugging Face's generate() calls the encoder) and ends when it returns
+            for m in outside:
+                m.register_forward_pre_hook(self._enter)
+                m.register_forward_hook(self._exit, always_call=True)
             for u in self.order:
                 u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u), with_kwargs=True)
                 u.module.register_forward_hook(functools.partial(self._post_forward, u), with_kwargs=True)
@@ -746,7 +758,19 @@ class Zero:
 
     # -- forward hooks (stage 3 and offload)
 
-    def _begin_forward(self, model, args):
+    def _enter(self, module, args):
+        self.depth += 1
+        if self.depth == 1:
+            self._begin_forward()
+
+    def _exit(self, module, args, output):
+        self.depth -= 1
+        if self.depth == 0:
+            self._end_forward()
+
+    def _begin_forward(self):
+        if self.last_ran is not None:       # a block called on its own since the last forward
+            self._release(self.last_ran)
         self.cursor[0], self.last_ran = 0, None
         # the root, and units whose parameters are used outside their forward, stay whole through backward
         for u in [u for u in self.units if u is self.root or u.keep]:
@@ -776,7 +800,7 @@ class Zero:
                 # only passed through is not hooked: its gradient says nothing about this unit's backward
                 t.register_hook(functools.partial(self._pre_backward, u))
 
-    def _end_forward(self, model, args, output):
+    def _end_forward(self):
         if self.check is not None:
             self.check.__exit__(None, None, None)
             self.check, self.checked = None, True

@@ -4,8 +4,9 @@ zero.py: ZeRO data parallelism for PyTorch in one file.
 Stages 0-3 of "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
 (Rajbhandari et al., 2020) by reduce-scatter / all-gather over torch.distributed, with
 fp16/bf16 compute and fp32 master weights, dynamic loss scaling, activation recompute,
-ZeRO-Offload's CPU Adam (Ren et al., 2021), sharded checkpoints, and a memory and
-communication ledger. The same code runs on CUDA with NCCL and on CPU with gloo.
+ZeRO-Offload's CPU Adam (Ren et al., 2021), hybrid sharding across nodes, models built on
+the meta device, torch's param groups and LR schedulers, sharded checkpoints, and a memory
+and communication ledger. The same code runs on CUDA with NCCL and on CPU with gloo.
 
     import zero
     rank, world_size, device = zero.init_distributed()
@@ -24,7 +25,7 @@ Sections, in the order data flows:
   3. Loss scaler
   4. AdamW (one kernel for device and host)
   5. Units and flat buffers
-  6. Engine: hooks, backward, step (and the offload worker)
+  6. Engine: building, gathering, hooks, backward, step, the offload worker, state_dicts
   7. Checkpoints
   8. Memory estimator and the command line
 """
@@ -62,10 +63,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Config:
     stage: int = 2                  # 0 plain data parallel | 1 shard optimizer states | 2 + gradients | 3 + parameters
     dtype: str = "bf16"             # compute dtype of parameters and gradients: "fp32" | "bf16" | "fp16"
-    lr: float = 3e-4                # AdamW learning rate (engine.lr changes it between steps)
+    lr: float = 3e-4                # AdamW learning rate (a scheduler on engine.optimizer changes it)
     betas: tuple = (0.9, 0.95)      # AdamW moment decay rates
     eps: float = 1e-8               # AdamW denominator epsilon
-    weight_decay: float = 0.1       # decoupled weight decay, on parameters with >= 2 dims only
+    weight_decay: float = 0.1       # decoupled weight decay (parameters in no param group: those of >= 2 dims)
     grad_clip: float = 1.0          # clip the global gradient norm to this; 0 turns clipping off
     accum_steps: int = 1            # micro-batches (backward calls) per optimizer step
     checkpoint: object = False      # recompute activations: False | True (every unit) | k (every k-th unit)
@@ -550,8 +551,7 @@ class Zero:
         c = self.cfg
         defaults = dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
         where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
-        name = {id(p): n for u in self.units for n, p in zip(u.names, u.params)}
-        name.update({id(p): n for n, p in self.frozen})
+        name = {id(p): n for n, p in self.module.named_parameters()}
         groups = list(param_groups or [])
         if groups and not isinstance(groups[0], dict):
             groups = [dict(params=groups)]  # a plain list of parameters: one group, as torch takes it

@@ -23,7 +23,7 @@ run are claims; absolute numbers come with the hardware line printed first.
     python bench.py            # the full run (about 10 minutes on 2 CPU cores)
     python bench.py --quick    # a reduced smoke run, under a minute
 """
-import argparse, datetime, importlib.util, os, platform, queue, socket, statistics, time, traceback
+import argparse, datetime, importlib.util, os, platform, queue, socket, statistics, tempfile, time, traceback
 from contextlib import nullcontext
 
 import torch
@@ -396,10 +396,13 @@ FUSED = "torch.optim.AdamW(fused=True)"
 def report_adam(sizes, rounds):
     bw = bandwidth()
     print(f"### 4a. CPU AdamW params/s, one process, {torch.get_num_threads()} threads, fp32 master and moments\n")
-    print(f"Best of {rounds} interleaved rounds (another process can only slow a round down); x fused: best over "
-          "best. GB/s: the bytes an update must read and write (28 per param with an fp32 grad, +2 writing a 16-bit "
-          "copy, -2 reading a 16-bit grad) per second; the best streaming kernel here (copy, sum, add over 512 MB) "
-          f"moves {bw / GB:.0f} GB/s.\n")
+    print(f"Best of {rounds} interleaved rounds (another process can only slow a round down); x fused, x DeepSpeed: "
+          "best over best. GB/s: the bytes an update must read and write (28 per param with an fp32 grad, +2 "
+          "writing a 16-bit copy, -2 reading a 16-bit grad; a separate copy pass reads the master again, +4) per "
+          f"second; the best streaming kernel here (copy, sum, add over 512 MB) moves {bw / GB:.0f} GB/s. "
+          "zero.adamw_step is one pass of zero's C kernel (what ZeRO-Offload's host update runs); `torch fused + "
+          "copy` is zero's path without a C compiler (and before it had one); DeepSpeed's offload runs its CPU "
+          "Adam and then copies the 16-bit weights in a separate pass.\n")
     rows = []
     for n in sizes:
         p = torch.nn.Parameter(torch.randn(n) * 0.02)
@@ -410,25 +413,41 @@ def report_adam(sizes, rounds):
             fns[label], traffic[label] = torch.optim.AdamW([p], **{kind: True}, **OPT).step, 28
         if zero is not None:
             m, v, out, g16 = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16), p.grad.bfloat16()
+            args = OPT["lr"], *OPT["betas"], OPT["eps"], OPT["weight_decay"]
             for label, g, o, nbytes in (("", p.grad, None, 28), (", out=bf16", p.grad, out, 30),
-                                        (", bf16 grad, out=bf16", g16, out, 26)):
-                fns[f"zero.adamw_step{label}"] = lambda g=g, o=o, w=p.data: zero.adamw_step(
-                    w, g, m, v, 10, OPT["lr"], *OPT["betas"], OPT["eps"], OPT["weight_decay"], out=o)
+                                        (", bf16 grad, out=bf16", g16, out, 28)):
+                fns[f"zero.adamw_step{label}"] = lambda g=g, o=o, w=p.data: zero.adamw_step(w, g, m, v, 10, *args, out=o)
                 traffic[f"zero.adamw_step{label}"] = nbytes
+            for label, g, nbytes in ((", out=bf16", p.grad, 34), (", bf16 grad, out=bf16", g16, 32)):
+                fns[f"torch fused + copy{label}"] = lambda g=g, w=p.data: zero._torch_adamw(
+                    w, g, m, v, 10, *args, 1.0, out)
+                traffic[f"torch fused + copy{label}"] = nbytes
         ds = deepspeed_adam([p])
         if callable(ds):
             fns["DeepSpeedCPUAdam"], traffic["DeepSpeedCPUAdam"] = ds, 28
+            copy = torch.empty(n, dtype=torch.bfloat16)
+            fns["DeepSpeedCPUAdam + its bf16 copy"] = lambda: (ds(), copy.copy_(p.data))
+            traffic["DeepSpeedCPUAdam + its bf16 copy"] = 34
         times = interleave(fns, rounds)
         for k, ts in times.items():
             rate = n / min(ts)
-            rows.append([f"{n / 1e6:.0f}M", k, f"{rate / 1e9:.2f}",
-                         f"{min(times[FUSED]) / min(ts):.2f}", f"{rate * traffic[k] / GB:.0f}"])
+            rows.append([f"{n / 1e6:.0f}M", k, f"{rate / 1e9:.2f}", f"{min(times[FUSED]) / min(ts):.2f}",
+                         f"{min(times['DeepSpeedCPUAdam']) / min(ts):.2f}" if callable(ds) else "—",
+                         f"{rate * traffic[k] / GB:.0f}"])
         if not callable(ds):
-            rows.append([f"{n / 1e6:.0f}M", "DeepSpeedCPUAdam", ds, "", ""])
+            rows.append([f"{n / 1e6:.0f}M", "DeepSpeedCPUAdam", ds, "", "", ""])
         if zero is None:
-            rows.append([f"{n / 1e6:.0f}M", "zero.adamw_step", f"import zero failed: {ZERO_ERR}", "", ""])
+            rows.append([f"{n / 1e6:.0f}M", "zero.adamw_step", f"import zero failed: {ZERO_ERR}", "", "", ""])
         del p, fns
-    table(["params", "optimizer", "G params/s", "x fused", "GB/s"], rows)
+    table(["params", "optimizer", "G params/s", "x fused", "x DeepSpeed", "GB/s"], rows)
+    if zero is not None and zero._cpu_kernel() is not None:   # its first build, then a later run's load
+        saved = os.environ.get("XDG_CACHE_HOME")
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["XDG_CACHE_HOME"] = cache
+            build, load = timed(zero._build_kernel), timed(zero._build_kernel)
+        os.environ.pop("XDG_CACHE_HOME") if saved is None else os.environ.update(XDG_CACHE_HOME=saved)
+        print(f"zero's C kernel: built in {build:.2f} s on first use, loaded from the cache in {load * 1e3:.0f} ms "
+              "by later runs.\n")
 
 
 def saved_for_backward(eng, x, y):

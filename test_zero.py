@@ -1285,6 +1285,61 @@ def test_recompute_and_offload_change_nothing(world):
             dev = on["mem"]["device"]
             assert dev["master"] == dev["optim"] == 0
             assert dev["params"] == psi * el // (world if stage == 3 else 1)
+            # ZeRO-Offload's minimal traffic: the gradient shard to the host and the updated parameter shard
+            # back, Ψ/N elements each way per step, in the compute dtype (the host gradient shard is 16-bit)
+            for kind in ("d2h", "h2d"):
+                assert on["comm"][kind]["bytes"] == psi // world * el, (stage, dtype, kind, on["comm"][kind])
+            assert on["mem"]["host"]["grads"] == psi // world * el
+
+
+# -----------------------------------------------------------------------------
+# the CPU AdamW kernel: torch's fused AdamW to the last bit but rounding, the 16-bit copy written in the
+# same pass, and without a compiler torch's own kernel after one warning
+
+def _adamw_inputs(n, grad_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g), (torch.randn(n, generator=g) * 1e-3).to(grad_dtype),
+            torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6]
+
+
+def _ulps(a, b):
+    # the largest distance in units of the last place (fp32 values of one sign are ordered as their bits)
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max().item()
+
+
+def test_cpu_adamw_kernel_is_torchs_fused_adamw():
+    n = 3 * zero.MIN_PER_THREAD + 12345          # several threads' blocks, and an odd tail
+    torch.set_num_threads(2)
+    assert zero._cpu_kernel() is not None, "no C compiler here: the kernel is not tested"
+    for grad_dtype, out_dtype, mult in [(g, o, m) for g in (torch.float32, torch.bfloat16)
+                                        for o in (None, torch.bfloat16) for m in (1.0, 0.37)]:
+        ours, ref = _adamw_inputs(n, grad_dtype), _adamw_inputs(n, grad_dtype)
+        out, ref_out = [None if out_dtype is None else torch.empty(n, dtype=out_dtype) for _ in range(2)]
+        for step in (1, 2, 3):
+            zero.adamw_step(*ours[:1], ours[1].clone(), *ours[2:], step, 1e-3, 0.9, 0.95, 1e-8, 0.1, mult, out)
+            zero._torch_adamw(*ref[:1], ref[1].clone(), *ref[2:], step, 1e-3, 0.9, 0.95, 1e-8, 0.1, mult, ref_out)
+        for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), (ours[0], ours[2], ours[3]), (ref[0], ref[2], ref[3])):
+            # bit for bit, but for the few elements of torch's scalar tail, which skips a fused multiply-add
+            assert _ulps(a, b) <= 4 and (a != b).sum() <= 16, (grad_dtype, out_dtype, mult, name, _ulps(a, b))
+        if out is not None:
+            assert torch.equal(out, ours[0].to(out_dtype))   # the copy is the master's rounding, exactly
+
+
+def test_cpu_adamw_without_a_compiler_warns_once_and_uses_torch(tmp_path):
+    code = ("import warnings, torch, zero, test_zero as T\n"
+            "warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    a, b = T._adamw_inputs(1000, torch.bfloat16), T._adamw_inputs(1000, torch.bfloat16)\n"
+            "    o, p = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.bfloat16)\n"
+            "    for s in (1, 2):\n"
+            "        zero.adamw_step(*a, s, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, o)\n"
+            "        zero._torch_adamw(*b, s, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, p)\n"
+            "assert all(torch.equal(x, y) for x, y in zip(a + [o], b + [p]))\n"
+            "print(len(w), w[0].message)\n")
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("1 zero: no C AdamW kernel") and "no-such-cc" in r.stdout, r.stdout
 
 
 def saved_activation_bytes(engine, x, y):

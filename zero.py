@@ -33,6 +33,8 @@ Sections, in the order data flows:
 import argparse
 import atexit
 import collections
+import contextlib
+import ctypes
 import datetime
 import functools
 import hashlib
@@ -40,11 +42,15 @@ import itertools
 import json
 import math
 import os
+import platform
 import queue
 import shutil
+import subprocess
+import tempfile
 import threading
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -283,26 +289,156 @@ class LossScaler:
 # -----------------------------------------------------------------------------
 # 4. AdamW
 #
-# The update runs on this rank's fp32 slice only: master weights, exp_avg and exp_avg_sq, 12 bytes
-# per parameter (the K of the paper). PyTorch's fused AdamW kernel does the whole update in one pass
-# per tensor, on CPU and CUDA; the same function serves the device and the offload worker, so offload
-# changes where the update runs, not what it computes.
+# The update runs on this rank's fp32 slice only: master weights, exp_avg and exp_avg_sq, 12 bytes per
+# parameter (the K of the paper). It is memory-bound, so what counts is the bytes it moves. On CUDA,
+# PyTorch's fused AdamW kernel does it in one pass. On the CPU (ZeRO-Offload's host update, and CPU
+# training) a short C kernel does what torch's does, operation for operation, in one pass that also
+# reads a bf16 gradient and writes the bf16 copy of the weights: 28-30 bytes per parameter, where
+# torch's kernel plus a copy makes two passes. It is built once with the system's C compiler (about a
+# second) into ~/.cache/zero_py; without one, zero warns once and uses torch's kernel.
+
+ADAMW_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+static inline float bf16_in(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t bf16_out(float f) {  /* round to nearest even; NaN stays NaN, as torch's .to() */
+  uint32_t u; memcpy(&u, &f, 4); return f != f ? 0xffff : (u + 0x7fff + ((u >> 16) & 1)) >> 16; }
+typedef struct { float decay, scale, w, b2, w2, nstep, bc2s, eps; } hyper;  /* as adamw_step fills them */
+/* one parameter, as ATen's fused CPU AdamW computes it (built with -ffp-contract=off: only these fmaf fuse) */
+static inline __attribute__((always_inline)) float update(int bg, int div, int64_t i, float *p, const void *g,
+    float *m, float *v, hyper h) {
+  const int near = fabsf(h.w) < 0.5f; const float wl = near ? h.w : h.w - 1;  /* torch's lerp, exact at both ends */
+  float gi = bg ? bf16_in(((const uint16_t *)g)[i]) : ((const float *)g)[i];
+  if (div) gi /= h.scale;
+  float mi = fmaf(wl, gi - m[i], near ? m[i] : gi), vi = fmaf(h.w2 * gi, gi, v[i] * h.b2);
+  float pi = p[i] * h.decay + h.nstep * mi / (sqrtf(vi) / h.bc2s + h.eps);
+  p[i] = pi; m[i] = mi; v[i] = vi;
+  return pi;
+}
+static inline __attribute__((always_inline)) void body(int bg, int ob, int div, int64_t i, int64_t b,
+    float *restrict p, const void *restrict g, float *restrict m, float *restrict v, uint16_t *restrict out, hyper h) {
+#ifdef __SSE2__
+  if (ob) {  /* out is only written: whole 64-byte lines go by streaming stores, which skip reading them first */
+    for (; i < b && (uintptr_t)(out + i) % 64; i++) out[i] = bf16_out(update(bg, div, i, p, g, m, v, h));
+    for (uint16_t t[32] __attribute__((aligned(64))); i + 32 <= b; i += 32) {
+      for (int j = 0; j < 32; j++) t[j] = bf16_out(update(bg, div, i + j, p, g, m, v, h));
+      for (int j = 0; j < 4; j++) _mm_stream_si128((__m128i *)(out + i) + j, _mm_load_si128((__m128i *)t + j));
+    }
+  }
+#endif
+  for (; i < b; i++) {
+    float pi = update(bg, div, i, p, g, m, v, h);
+    if (ob) out[i] = bf16_out(pi);
+  }
+}
+/* kind: bit 0 a bf16 grad, bit 1 a bf16 out, bit 2 a loss scale or clip to divide by; each its own loop */
+#define K(k) case k: body(k & 1, k >> 1 & 1, k >> 2, a, b, p, g, m, v, out, h); break;
+/* the threads share *next and take a block at a time until none is left: one held up does less of the work */
+void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m, float *v, uint16_t *out,
+           const hyper *hp) {
+  const hyper h = *hp;
+  for (int64_t a, b; (a = __atomic_fetch_add(next, 1 << 16, __ATOMIC_RELAXED)) < n;) {
+    b = a + (1 << 16) < n ? a + (1 << 16) : n;
+    switch (kind) { K(0) K(1) K(2) K(3) K(4) K(5) K(6) K(7) }
+  }
+#ifdef __SSE2__
+  _mm_sfence();  /* streaming stores are weakly ordered: all visible before the caller goes on */
+#endif
+}
+"""
+# -fno-math-errno lets sqrtf vectorise; no -ffast-math, which changes rounding and NaNs
+ADAMW_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
+MIN_PER_THREAD = 1 << 17    # parameters: waking another thread for fewer costs more than it saves
+_kernel, _kernel_lock, _pools = [], threading.Lock(), {}   # _kernel: [] untried, [fn], or [None] (failed)
+
+
+def _build_kernel():
+    """Compile ADAMW_C once per source, compiler and CPU (a binary built for -march=native must never
+    reach another CPU through a shared home) into the user's cache, and load it."""
+    cc, cpu = os.environ.get("CC", "cc"), platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:   # what -march=native sees
+        cpu = next((line for line in f if line.startswith(("flags", "Features"))), cpu)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([ADAMW_C, *ADAMW_FLAGS, version, cpu]).encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zero_py")
+    so = os.path.join(cache, f"adamw-{key}.so")
+    if not os.path.exists(so):       # processes starting together each build in a directory of their own
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            src = os.path.join(tmp, "adamw.c")
+            with open(src, "w") as f:
+                f.write(ADAMW_C)
+            r = subprocess.run([cc, *ADAMW_FLAGS, "-o", src + ".so", src], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-300:]}")
+            os.replace(src + ".so", so)
+    fn = ctypes.CDLL(so).adamw
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 7, None
+    return fn
+
+
+def _cpu_kernel():
+    # the C kernel, or None where it cannot be built, with one warning saying why: slower, never fatal
+    with _kernel_lock:
+        if not _kernel:
+            try:
+                _kernel.append(_build_kernel())
+            except Exception as e:
+                _kernel.append(None)
+                warnings.warn(f"zero: no C AdamW kernel ({type(e).__name__}: {e}); using torch's fused AdamW, "
+                              "slower on the CPU when the gradient or the copy of the weights is 16-bit")
+    return _kernel[0]
+
+
+def _parallel(fn, n, args):
+    """fn(*args) on this thread and, for a large call, on up to torch.get_num_threads() - 1 pool threads:
+    Python threads (the kernel releases the GIL), not OpenMP, as torch brings its own OpenMP runtime."""
+    k, helpers = min(torch.get_num_threads(), n // MIN_PER_THREAD), []
+    if k > 1:
+        with contextlib.suppress(RuntimeError):   # no new threads at interpreter exit: this one does it all
+            pool = _pools.get(os.getpid()) or _pools.setdefault(os.getpid(), ThreadPoolExecutor(os.cpu_count()))
+            helpers = [pool.submit(fn, *args) for _ in range(k - 1)]
+    fn(*args)                       # the threads share the blocks: whichever of them run, the call completes
+    for h in helpers:
+        h.result()
+
+
+def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+               grad_mult=1.0, out=None):
+    """AdamW (decoupled weight decay) on 1-D fp32 master/moment tensors, as torch's fused kernel computes
+    it; grad_mult (loss unscale and clip) is applied inside, and `out`, if given, receives the updated
+    master in its own dtype. On the CPU one pass of the C kernel (fp32 or bf16 grad and out); on CUDA,
+    for fp16, or without a compiler, torch's fused kernel, then out.copy_(master)."""
+    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
+    fn = _cpu_kernel() if master.is_cpu else None
+    if fn is not None and out is not None and out.dtype == torch.float32:   # fp32 compute with offload
+        adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult)
+        return out.copy_(master)
+    if fn is not None and grad.dtype in (torch.float32, torch.bfloat16) and master.dtype == exp_avg.dtype == \
+            exp_avg_sq.dtype == torch.float32 and (out is None or out.dtype == torch.bfloat16) and \
+            all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
+        n, next_block = master.numel(), ctypes.c_int64(0)
+        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step   # in double, then rounded to float, as torch does
+        consts = (ctypes.c_float * 8)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
+                                      -lr / bc1, math.sqrt(bc2), eps)
+        kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
+        ptrs = [t.data_ptr() for t in ts] + [None] * (out is None)
+        return _parallel(fn, n, (kind, n, ctypes.addressof(next_block), *ptrs, consts))
+    _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult, out)
+
 
 CONVERT_CHUNK = 1 << 22  # elements of a 16-bit gradient converted to fp32 at a time
 _scratch = {}             # device -> the fp32 buffer they are converted into, reused across calls
 
 
-def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-               grad_mult=1.0, out=None):
-    """AdamW (decoupled weight decay) on 1-D fp32 master/moment tensors with PyTorch's fused
-    kernel (vectorised, multi-threaded, on CPU and CUDA). A 16-bit gradient is converted to fp32
-    chunk by chunk; grad_mult (loss unscale and clip) is applied inside the kernel. `out`, if
-    given, receives the updated master in its own (16-bit) dtype."""
+def _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult, out):
+    # PyTorch's fused kernel. A 16-bit gradient goes in large chunks through a reused fp32 buffer: a fresh
+    # fp32 copy of the whole range costs more in page faults than the update itself on a CPU
     n = master.numel()
-    # an fp32 gradient goes in one kernel call: cache-sized chunks were measured slower on a busy CPU,
-    # where every parallel region waits for its slowest thread. A 16-bit one goes in large chunks
-    # through a reused buffer: a fresh fp32 copy of the whole range costs more in page faults than
-    # the update itself (measured 0.18x the fused kernel's speed at 50M parameters)
     chunk = n if grad.dtype == torch.float32 else CONVERT_CHUNK
     steps = torch.zeros((), device=master.device)
     # the kernel divides by grad_scale, as AMP's unscale does

@@ -553,6 +553,11 @@ class Unit:
 # unit this rank skipped being gathered and freed at once in its turn, and reductions launch in a
 # fixed order too, each once all before it have launched. The step compares a fingerprint of every
 # rank's collectives before anything changes.
+#
+# The engine is four classes along the data flow: Gathering (whole parameters where the forward and
+# backward use them), Reducing (backward: gradients in, collectives out), Offload (the host update),
+# and Zero, which builds the units, registers the others' hooks, steps, and takes the model in and out.
+# Zero.__init__ is the place to start reading.
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -579,7 +584,323 @@ class ZeroOptimizer(torch.optim.Optimizer):
     load_state_dict = state_dict
 
 
-class Zero:
+class Gathering:
+    """Whole parameters where they are used: stage 3 gathers each unit into its flat buffer just before
+    its forward and its backward and frees it after; offload at stages 1-2 gathers the updated shards in
+    the next forward. The gathers follow one schedule on every rank, whatever the data."""
+
+    # the flat buffer's storage is resized: the parameter views (and autograd's saved references) stay valid
+
+    def _start_gather(self, u):
+        if u.gathered or u.gather_work is not None:
+            return
+        if self.cfg.stage == 3:
+            # storage back to full size, then the gather writes straight into it: no copy in or out
+            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+            held = sum(x.flat.untyped_storage().nbytes() for x in self.units)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
+        self.trace["gather"].append(u.index)
+        # stage 3 gathers from its shard; offload at stages 1-2 from the freshly updated owned slice
+        u.gather_work = self.net.all_gather(u.flat, self._owned_params(u), sync=False)
+        if u.gather_work is None:
+            u.gathered = True
+
+    def _gather(self, u):
+        # start it (if no prefetch did) and wait for it: after this, u's parameters are whole and current
+        if u.gathered:
+            return
+        self._wait_update(u)
+        self._start_gather(u)
+        if u.gather_work is not None:
+            self.net.wait(u.gather_work)
+            u.gather_work, u.gathered = None, True
+
+    def _prefetch(self, u):
+        # start u's gather now, so it travels while the current unit computes (with offload, only if the
+        # worker is done with u: waiting here would undo the overlap)
+        if self.cfg.prefetch and u.updated.is_set():
+            self._start_gather(u)
+
+    def _free(self, u):
+        # the memory goes back; the parameters (and autograd's saved references) keep pointing at this storage
+        assert u.gather_work is None
+        u.flat.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def _release(self, u):
+        # stage 3: a unit done with for now is freed, unless it must stay whole (the root, escaped parameters)
+        if self.cfg.stage == 3 and u.gathered and u is not self.root and not u.keep:
+            self._free(u)
+
+    def _gather_to(self, u, back=False):
+        """The gather schedule: the units of `order`, reversed for the backward. Every unit before u that
+        this rank did not run is gathered (and freed) in its turn, as the ranks that do run it gather it;
+        then u, and the next one's gather starts (prefetch). u=None: to the end of the schedule."""
+        order = self.rorder if back else self.order
+        end = len(order) - 1 if u is None else u.rpos if back else u.pos
+        while self.cursor[back] <= end:
+            v = order[self.cursor[back]]
+            self.cursor[back] += 1
+            self._gather(v)
+            if v is not u:
+                self._release(v)
+        if u is not None:
+            if not u.gathered:              # out of turn: a unit run twice in a forward, or its turn passed
+                self._gather(u)
+            if self.cursor[back] < len(order):
+                self._prefetch(order[self.cursor[back]])
+
+    # -- forward hooks (stage 3 and offload)
+
+    def _enter(self, module, args):
+        self.depth += 1
+        if self.depth == 1:
+            self._begin_forward()
+
+    def _exit(self, module, args, output):
+        self.depth -= 1
+        if self.depth == 0:
+            self._end_forward()
+
+    def _begin_forward(self):
+        if self.last_ran is not None:       # a block called on its own since the last forward
+            self._release(self.last_ran)
+        self.cursor[0], self.last_ran = 0, None
+        # the root, and units whose parameters are used outside their forward, stay whole through backward
+        for u in [u for u in self.units if u is self.root or u.keep]:
+            self._gather(u)
+        if not self.checked:
+            self.check = _OutOfPlaceUse(self)
+            self.check.__enter__()
+
+    def _pre_forward(self, u, module, args, kwargs):
+        if self.last_ran is not None and self.last_ran is not u:
+            self._release(self.last_ran)    # freed once another unit starts: a unit run twice in a row stays
+        self._gather_to(u)
+        self.running = self.last_ran = u
+        self.ran.append(u.index)
+
+    def _post_forward(self, u, module, args, kwargs, output):
+        self.running = None
+        if self.cfg.stage != 3 or not torch.is_grad_enabled():
+            return
+        inputs = {id(t) for t in _tensors((args, kwargs))}
+        storage = u.flat.untyped_storage().data_ptr()
+        for t in _tensors(output):
+            if t.untyped_storage().data_ptr() == storage:
+                u.keep = True               # a parameter returned to the caller: whole until its backward is done
+            elif t.requires_grad and id(t) not in inputs:
+                # gather again just before this unit's backward (and its recompute, if any); a tensor the unit
+                # only passed through is not hooked: its gradient says nothing about this unit's backward
+                t.register_hook(functools.partial(self._pre_backward, u))
+
+    def _end_forward(self):
+        if self.check is not None:
+            self.check.__exit__(None, None, None)
+            self.check, self.checked = None, True
+        if self.last_ran is not None:
+            self._release(self.last_ran)
+            self.last_ran = None
+        self._gather_to(None)              # units after the last one this rank ran
+        if not torch.is_grad_enabled():     # no backward follows (evaluation, generation)
+            for u in self.units:
+                if u.gathered and self.cfg.stage == 3:
+                    self._free(u)
+
+    def _pre_backward(self, u, grad):
+        # runs when the gradient of u's output is ready, before any of u's own backward (or its recompute);
+        # a unit whose gradients are all in is never gathered again in this backward
+        if not u.done:
+            self._gather_to(u, back=True)
+
+    def _owned_params(self, u):
+        """This rank's owned range of the parameters: the shard (stage 3) or its slice of the flat buffer."""
+        return u.shard if self.cfg.stage == 3 else u.flat[u.lo:u.hi]
+
+    def _param_slice(self, u):
+        """Where an update writes the new parameters: nowhere when the master weights are the parameters."""
+        return None if self.master_is_param else self._owned_params(u)
+
+
+class Reducing:
+    """Backward: each gradient moves into its unit's flat gradient as it arrives; each unit's collective
+    launches once its gradients are in, in one order on every rank."""
+
+    def _on_grad(self, u, i, p):
+        # autograd's .grad is a fresh tensor per parameter; moving it into the flat gradient at once
+        # keeps one copy, and lets a single collective reduce the whole unit
+        if p.grad is None:
+            return
+        o, n = u.offsets[i], u.params[i].numel()
+        if u.grad is None:                  # stages 2-3: a whole-unit gradient for this micro-batch only
+            u.grad = torch.empty(u.padded, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            if i in u.written:
+                u.grad[o:o + n].add_(p.grad.view(-1))
+            else:
+                u.grad[o:o + n].copy_(p.grad.view(-1))
+                u.written.add(i)
+        p.grad = None                       # autograd's copy is freed at once
+        u.got.add(i)
+        u.arrived += 1
+        if u.arrived == u.expected:         # every trainable parameter's gradient: u may launch its collective
+            u.ready = True
+            self._launch_ready()
+        if u.arrived == len(u.params):      # nothing in this backward reads u's parameters any more
+            u.done = True
+            self._release(u)
+
+    def _reduces_now(self):
+        # whether this micro-batch's backward launches collectives (accumulation defers stages 0-1)
+        # stage 0 all-reduces on the last micro-batch, stage 1 reduce-scatters in step(), 2-3 every time
+        last = self.micro == self.cfg.accum_steps - 1
+        return self.cfg.stage >= 2 or (self.cfg.stage == 0 and last)
+
+    def _launch_ready(self):
+        # in launch order only, each unit once every unit before it has launched: a rank whose gradients
+        # come late (an expert without tokens) delays its launches, never reorders them
+        while self._reduces_now() and self.launch_next < len(self.launch_order) \
+                and self.launch_order[self.launch_next].ready:
+            self.launch_next += 1
+            self._reduce(self.launch_order[self.launch_next - 1])
+
+    def _reduce(self, u):
+        """Launch u's gradient collective; finished ones are collected as backward goes on, so the
+        whole-unit gradients of stages 2-3 are freed early."""
+        g = u.grad
+        if g is None:                       # no parameter of u took part in this micro-batch
+            g = u.grad = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+        for i, (p, o) in enumerate(zip(u.params, u.offsets)):
+            if i not in u.written:          # unused this window: zero, not last window's values
+                g[o:o + p.numel()].zero_()
+                u.written.add(i)
+        g[u.numel:].zero_()
+        # the mean over ranks and micro-batches, taken before the sum so that fp16 cannot overflow in it
+        g.mul_(1.0 / (self.world * self.cfg.accum_steps))
+        self.trace["reduce"].append(u.index)
+        if self.cfg.stage == 0:
+            work = self.net.all_reduce(g, "reduce", kind="all_reduce", sync=False)
+        else:
+            work = self.net.reduce_scatter(g[u.lo:u.hi], g, sync=False)
+        self.in_flight.append((u, work))
+        # collect what has finished, oldest first, without waiting: a wait here could block on a rank that
+        # launches later, while it waits for this rank's next gather
+        while self.in_flight and (self.in_flight[0][1] is None or self.in_flight[0][1].is_completed()):
+            self._finish_reduce(*self.in_flight.pop(0))
+
+    def _finish_reduce(self, u, work):
+        self.net.wait(work)
+        # the reduced owned slice becomes (or is added to) the gradient shard: on the host with offload,
+        # copied while backward still runs, in the compute dtype (the paper's minimal traffic)
+        if self.cfg.stage >= 2 or self.cfg.offload:
+            mine = u.grad[u.lo:u.hi]
+            if self.cfg.offload:
+                self.net.count("d2h", mine.numel(), mine.element_size())
+            if self.micro == 0 or self.cfg.stage <= 1:
+                u.grad_shard.copy_(mine, non_blocking=self.pin)
+            else:
+                u.grad_shard.add_(mine.to(u.grad_shard.device))
+        if self.cfg.stage >= 2:
+            u.grad, u.written = None, set()   # stages 2-3 keep no whole gradient between micro-batches
+
+    def backward(self, loss):
+        """Backward of this micro-batch's mean loss; returns when its gradients are reduced."""
+        if self.micro >= self.cfg.accum_steps:
+            raise RuntimeError(f"zero: backward() called {self.micro + 1} times without step(); "
+                               f"Config.accum_steps={self.cfg.accum_steps}")
+        self._settle()
+        # a parameter frozen after wrapping sends no gradient: its unit does not wait for it
+        for u in self.units:
+            u.expected, u.arrived, u.done = sum(p.requires_grad for p in u.params), 0, False
+            u.ready = u.expected == 0
+        self.in_flight, self.launch_next, self.cursor[1] = [], 0, 0
+        self._launch_ready()
+        if self.cfg.stage == 3 and self.rorder:
+            self._prefetch(self.rorder[0])  # the forward's last block is the first one back
+        try:
+            # fp16: scale the loss up so small gradients survive in 16 bits; step() divides it out
+            (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
+        except torch.utils.checkpoint.CheckpointError as e:
+            raise RuntimeError(
+                "zero: activation recompute (Config.checkpoint) replayed a forward that differs from the "
+                "original (see torch's message above). A model that changes state in its forward does this; "
+                "Hugging Face models fill a key/value cache: pass use_cache=False (or set model.config."
+                "use_cache = False), or use the model's own gradient_checkpointing_enable() with "
+                "checkpoint=False") from e
+        if self.cfg.stage == 3:
+            self._gather_to(None, back=True)         # units this rank's backward never reached, gathered in their turn
+        if self._reduces_now():
+            for u in self.launch_order[self.launch_next:]:   # units with missing gradients, and the root
+                u.ready = True
+            self._launch_ready()
+        for item in self.in_flight:
+            self._finish_reduce(*item)
+        self.in_flight = []
+        # stage 3: whatever is still whole (the root, units whose gradients never all came) goes now
+        for u in self.units:
+            if self.cfg.stage == 3 and u.gathered:
+                self._free(u)
+        self.micro += 1
+
+
+class Offload:
+    """ZeRO-Offload: a worker thread updates unit by unit in forward order, while the caller goes on to
+    the next forward, which waits only for the unit it is about to run."""
+
+    def _start_updates(self, mult, plans):
+        # one long-lived worker per engine; jobs go through a queue, one job per step
+        if self.worker is None:
+            self.jobs, self.worker_error = queue.Queue(), None
+            self.worker = threading.Thread(target=self._worker, daemon=True, name="zero-offload-adam")
+            self.worker.start()
+            # a daemon thread killed inside a kernel at exit aborts the process: let it finish first
+            atexit.register(lambda: [u.updated.wait(self.cfg.timeout_s) for u in self.units])
+        for u in self.units:
+            u.updated.clear()
+            if self.cfg.stage in (1, 2):
+                u.gathered = False          # the other ranks' slices are last step's until gathered
+            # the updated 16-bit slice goes back to the device (on a CPU machine: into the parameters)
+            self.net.count("h2d", u.hi - u.lo, u.flat.element_size())
+        # the forward's order: the root first, then the blocks (the next forward needs them in that order)
+        self.jobs.put(((self.root,) * bool(self.root) + tuple(self.order), mult, plans))
+
+    def _worker(self):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)   # the current GPU is per thread
+        while True:
+            units, mult, plans = self.jobs.get()
+            for u in units:
+                try:
+                    dest = self._param_slice(u)
+                    if u.staging is not None:   # CUDA: 16-bit result to pinned memory, then to the device
+                        self._update(u, mult, u.staging, plans[u.index])
+                        dest.copy_(u.staging, non_blocking=True)
+                    else:
+                        self._update(u, mult, dest, plans[u.index])
+                    # no collective here: the caller's thread gathers, in its forward, so the order of
+                    # collectives is the program's own on every rank
+                except BaseException as e:  # handed to the caller at its next wait
+                    self.worker_error = e
+                u.updated.set()
+
+    def _wait_update(self, u):
+        # a bounded wait, and a failure in the worker is raised here, in the caller's thread
+        if not u.updated.wait(self.cfg.timeout_s):
+            raise RuntimeError("zero: the offload worker did not finish a unit in time")
+        if self.worker_error is not None:
+            err, self.worker_error = self.worker_error, None
+            raise RuntimeError("zero: the offload update failed") from err
+
+    def _settle(self):
+        """Every unit's update done and (stages 1-2 with offload) gathered: the state is this step's."""
+        for u in self.units:
+            self._wait_update(u)
+        if self.cfg.offload and self.cfg.stage in (1, 2):
+            for u in self.units:
+                self._gather(u)
+
+
+class Zero(Gathering, Reducing, Offload):
     """Wraps a model: shards it in place into units, hooks its forward and backward, and
     steps AdamW on this rank's shard. Call it like the model, then backward(loss), then step()."""
 
@@ -831,252 +1152,10 @@ class Zero:
             u.grad_shard = state(dtype=self.dtype)
         del full
 
-    # -- gathering: the flat buffer's storage is resized, the parameter views stay valid
-
-    def _start_gather(self, u):
-        if u.gathered or u.gather_work is not None:
-            return
-        if self.cfg.stage == 3:
-            # storage back to full size, then the gather writes straight into it: no copy in or out
-            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-            held = sum(x.flat.untyped_storage().nbytes() for x in self.units)
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
-        self.trace["gather"].append(u.index)
-        # stage 3 gathers from its shard; offload at stages 1-2 from the freshly updated owned slice
-        u.gather_work = self.net.all_gather(u.flat, self._owned_params(u), sync=False)
-        if u.gather_work is None:
-            u.gathered = True
-
-    def _gather(self, u):
-        # start it (if no prefetch did) and wait for it: after this, u's parameters are whole and current
-        if u.gathered:
-            return
-        self._wait_update(u)
-        self._start_gather(u)
-        if u.gather_work is not None:
-            self.net.wait(u.gather_work)
-            u.gather_work, u.gathered = None, True
-
-    def _prefetch(self, u):
-        # start u's gather now, so it travels while the current unit computes (with offload, only if the
-        # worker is done with u: waiting here would undo the overlap)
-        if self.cfg.prefetch and u.updated.is_set():
-            self._start_gather(u)
-
-    def _free(self, u):
-        # the memory goes back; the parameters (and autograd's saved references) keep pointing at this storage
-        assert u.gather_work is None
-        u.flat.untyped_storage().resize_(0)
-        u.gathered = False
-
-    def _release(self, u):
-        # stage 3: a unit done with for now is freed, unless it must stay whole (the root, escaped parameters)
-        if self.cfg.stage == 3 and u.gathered and u is not self.root and not u.keep:
-            self._free(u)
-
-    def _gather_to(self, u, back=False):
-        """The gather schedule: the units of `order`, reversed for the backward. Every unit before u that
-        this rank did not run is gathered (and freed) in its turn, as the ranks that do run it gather it;
-        then u, and the next one's gather starts (prefetch). u=None: to the end of the schedule."""
-        order = self.rorder if back else self.order
-        end = len(order) - 1 if u is None else u.rpos if back else u.pos
-        while self.cursor[back] <= end:
-            v = order[self.cursor[back]]
-            self.cursor[back] += 1
-            self._gather(v)
-            if v is not u:
-                self._release(v)
-        if u is not None:
-            if not u.gathered:              # out of turn: a unit run twice in a forward, or its turn passed
-                self._gather(u)
-            if self.cursor[back] < len(order):
-                self._prefetch(order[self.cursor[back]])
-
-    # -- forward hooks (stage 3 and offload)
-
-    def _enter(self, module, args):
-        self.depth += 1
-        if self.depth == 1:
-            self._begin_forward()
-
-    def _exit(self, module, args, output):
-        self.depth -= 1
-        if self.depth == 0:
-            self._end_forward()
-
-    def _begin_forward(self):
-        if self.last_ran is not None:       # a block called on its own since the last forward
-            self._release(self.last_ran)
-        self.cursor[0], self.last_ran = 0, None
-        # the root, and units whose parameters are used outside their forward, stay whole through backward
-        for u in [u for u in self.units if u is self.root or u.keep]:
-            self._gather(u)
-        if not self.checked:
-            self.check = _OutOfPlaceUse(self)
-            self.check.__enter__()
-
-    def _pre_forward(self, u, module, args, kwargs):
-        if self.last_ran is not None and self.last_ran is not u:
-            self._release(self.last_ran)    # freed once another unit starts: a unit run twice in a row stays
-        self._gather_to(u)
-        self.running = self.last_ran = u
-        self.ran.append(u.index)
-
-    def _post_forward(self, u, module, args, kwargs, output):
-        self.running = None
-        if self.cfg.stage != 3 or not torch.is_grad_enabled():
-            return
-        inputs = {id(t) for t in _tensors((args, kwargs))}
-        storage = u.flat.untyped_storage().data_ptr()
-        for t in _tensors(output):
-            if t.untyped_storage().data_ptr() == storage:
-                u.keep = True               # a parameter returned to the caller: whole until its backward is done
-            elif t.requires_grad and id(t) not in inputs:
-                # gather again just before this unit's backward (and its recompute, if any); a tensor the unit
-                # only passed through is not hooked: its gradient says nothing about this unit's backward
-                t.register_hook(functools.partial(self._pre_backward, u))
-
-    def _end_forward(self):
-        if self.check is not None:
-            self.check.__exit__(None, None, None)
-            self.check, self.checked = None, True
-        if self.last_ran is not None:
-            self._release(self.last_ran)
-            self.last_ran = None
-        self._gather_to(None)              # units after the last one this rank ran
-        if not torch.is_grad_enabled():     # no backward follows (evaluation, generation)
-            for u in self.units:
-                if u.gathered and self.cfg.stage == 3:
-                    self._free(u)
-
-    def _pre_backward(self, u, grad):
-        # runs when the gradient of u's output is ready, before any of u's own backward (or its recompute);
-        # a unit whose gradients are all in is never gathered again in this backward
-        if not u.done:
-            self._gather_to(u, back=True)
-
-    # -- backward: gradients are copied into the unit's flat gradient as they arrive
-
-    def _on_grad(self, u, i, p):
-        # autograd's .grad is a fresh tensor per parameter; moving it into the flat gradient at once
-        # keeps one copy, and lets a single collective reduce the whole unit
-        if p.grad is None:
-            return
-        o, n = u.offsets[i], u.params[i].numel()
-        if u.grad is None:                  # stages 2-3: a whole-unit gradient for this micro-batch only
-            u.grad = torch.empty(u.padded, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            if i in u.written:
-                u.grad[o:o + n].add_(p.grad.view(-1))
-            else:
-                u.grad[o:o + n].copy_(p.grad.view(-1))
-                u.written.add(i)
-        p.grad = None                       # autograd's copy is freed at once
-        u.got.add(i)
-        u.arrived += 1
-        if u.arrived == u.expected:         # every trainable parameter's gradient: u may launch its collective
-            u.ready = True
-            self._launch_ready()
-        if u.arrived == len(u.params):      # nothing in this backward reads u's parameters any more
-            u.done = True
-            self._release(u)
-
-    def _reduces_now(self):
-        # whether this micro-batch's backward launches collectives (accumulation defers stages 0-1)
-        # stage 0 all-reduces on the last micro-batch, stage 1 reduce-scatters in step(), 2-3 every time
-        last = self.micro == self.cfg.accum_steps - 1
-        return self.cfg.stage >= 2 or (self.cfg.stage == 0 and last)
-
-    def _launch_ready(self):
-        # in launch order only, each unit once every unit before it has launched: a rank whose gradients
-        # come late (an expert without tokens) delays its launches, never reorders them
-        while self._reduces_now() and self.launch_next < len(self.launch_order) \
-                and self.launch_order[self.launch_next].ready:
-            self.launch_next += 1
-            self._reduce(self.launch_order[self.launch_next - 1])
-
-    def _reduce(self, u):
-        """Launch u's gradient collective; finished ones are collected as backward goes on, so the
-        whole-unit gradients of stages 2-3 are freed early."""
-        g = u.grad
-        if g is None:                       # no parameter of u took part in this micro-batch
-            g = u.grad = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
-        for i, (p, o) in enumerate(zip(u.params, u.offsets)):
-            if i not in u.written:          # unused this window: zero, not last window's values
-                g[o:o + p.numel()].zero_()
-                u.written.add(i)
-        g[u.numel:].zero_()
-        # the mean over ranks and micro-batches, taken before the sum so that fp16 cannot overflow in it
-        g.mul_(1.0 / (self.world * self.cfg.accum_steps))
-        self.trace["reduce"].append(u.index)
-        if self.cfg.stage == 0:
-            work = self.net.all_reduce(g, "reduce", kind="all_reduce", sync=False)
-        else:
-            work = self.net.reduce_scatter(g[u.lo:u.hi], g, sync=False)
-        self.in_flight.append((u, work))
-        # collect what has finished, oldest first, without waiting: a wait here could block on a rank that
-        # launches later, while it waits for this rank's next gather
-        while self.in_flight and (self.in_flight[0][1] is None or self.in_flight[0][1].is_completed()):
-            self._finish_reduce(*self.in_flight.pop(0))
-
-    def _finish_reduce(self, u, work):
-        self.net.wait(work)
-        # the reduced owned slice becomes (or is added to) the gradient shard: on the host with offload,
-        # copied while backward still runs, in the compute dtype (the paper's minimal traffic)
-        if self.cfg.stage >= 2 or self.cfg.offload:
-            mine = u.grad[u.lo:u.hi]
-            if self.cfg.offload:
-                self.net.count("d2h", mine.numel(), mine.element_size())
-            if self.micro == 0 or self.cfg.stage <= 1:
-                u.grad_shard.copy_(mine, non_blocking=self.pin)
-            else:
-                u.grad_shard.add_(mine.to(u.grad_shard.device))
-        if self.cfg.stage >= 2:
-            u.grad, u.written = None, set()   # stages 2-3 keep no whole gradient between micro-batches
-
     def __call__(self, *args, **kwargs):
         # the parameters are in the compute dtype, so float inputs must be too
         cast = functools.partial(_cast_floats, dtype=self.dtype)
         return self.module(*cast(args), **cast(kwargs))
-
-    def backward(self, loss):
-        """Backward of this micro-batch's mean loss; returns when its gradients are reduced."""
-        if self.micro >= self.cfg.accum_steps:
-            raise RuntimeError(f"zero: backward() called {self.micro + 1} times without step(); "
-                               f"Config.accum_steps={self.cfg.accum_steps}")
-        self._settle()
-        # a parameter frozen after wrapping sends no gradient: its unit does not wait for it
-        for u in self.units:
-            u.expected, u.arrived, u.done = sum(p.requires_grad for p in u.params), 0, False
-            u.ready = u.expected == 0
-        self.in_flight, self.launch_next, self.cursor[1] = [], 0, 0
-        self._launch_ready()
-        if self.cfg.stage == 3 and self.rorder:
-            self._prefetch(self.rorder[0])  # the forward's last block is the first one back
-        try:
-            # fp16: scale the loss up so small gradients survive in 16 bits; step() divides it out
-            (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
-        except torch.utils.checkpoint.CheckpointError as e:
-            raise RuntimeError(
-                "zero: activation recompute (Config.checkpoint) replayed a forward that differs from the "
-                "original (see torch's message above). A model that changes state in its forward does this; "
-                "Hugging Face models fill a key/value cache: pass use_cache=False (or set model.config."
-                "use_cache = False), or use the model's own gradient_checkpointing_enable() with "
-                "checkpoint=False") from e
-        if self.cfg.stage == 3:
-            self._gather_to(None, back=True)         # units this rank's backward never reached, gathered in their turn
-        if self._reduces_now():
-            for u in self.launch_order[self.launch_next:]:   # units with missing gradients, and the root
-                u.ready = True
-            self._launch_ready()
-        for item in self.in_flight:
-            self._finish_reduce(*item)
-        self.in_flight = []
-        # stage 3: whatever is still whole (the root, units whose gradients never all came) goes now
-        for u in self.units:
-            if self.cfg.stage == 3 and u.gathered:
-                self._free(u)
-        self.micro += 1
 
     # -- step
 
@@ -1220,14 +1299,6 @@ class Zero:
     def _unit_name(self, i):
         return self.names.get(id(self.units[i].module), "") or "root"
 
-    def _owned_params(self, u):
-        """This rank's owned range of the parameters: the shard (stage 3) or its slice of the flat buffer."""
-        return u.shard if self.cfg.stage == 3 else u.flat[u.lo:u.hi]
-
-    def _param_slice(self, u):
-        """Where an update writes the new parameters: nowhere when the master weights are the parameters."""
-        return None if self.master_is_param else self._owned_params(u)
-
     @property
     def lr(self):
         return self.optimizer.param_groups[0]["lr"]
@@ -1236,61 +1307,6 @@ class Zero:
     def lr(self, value):
         for g in self.optimizer.param_groups:   # a schedule set by hand: every group gets it
             g["lr"] = value
-
-    # -- ZeRO-Offload: a worker thread updates unit by unit in forward order, while the caller
-    #    goes on to the next forward, which waits only for the unit it is about to run
-
-    def _start_updates(self, mult, plans):
-        # one long-lived worker per engine; jobs go through a queue, one job per step
-        if self.worker is None:
-            self.jobs, self.worker_error = queue.Queue(), None
-            self.worker = threading.Thread(target=self._worker, daemon=True, name="zero-offload-adam")
-            self.worker.start()
-            # a daemon thread killed inside a kernel at exit aborts the process: let it finish first
-            atexit.register(lambda: [u.updated.wait(self.cfg.timeout_s) for u in self.units])
-        for u in self.units:
-            u.updated.clear()
-            if self.cfg.stage in (1, 2):
-                u.gathered = False          # the other ranks' slices are last step's until gathered
-            # the updated 16-bit slice goes back to the device (on a CPU machine: into the parameters)
-            self.net.count("h2d", u.hi - u.lo, u.flat.element_size())
-        # the forward's order: the root first, then the blocks (the next forward needs them in that order)
-        self.jobs.put(((self.root,) * bool(self.root) + tuple(self.order), mult, plans))
-
-    def _worker(self):
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)   # the current GPU is per thread
-        while True:
-            units, mult, plans = self.jobs.get()
-            for u in units:
-                try:
-                    dest = self._param_slice(u)
-                    if u.staging is not None:   # CUDA: 16-bit result to pinned memory, then to the device
-                        self._update(u, mult, u.staging, plans[u.index])
-                        dest.copy_(u.staging, non_blocking=True)
-                    else:
-                        self._update(u, mult, dest, plans[u.index])
-                    # no collective here: the caller's thread gathers, in its forward, so the order of
-                    # collectives is the program's own on every rank
-                except BaseException as e:  # handed to the caller at its next wait
-                    self.worker_error = e
-                u.updated.set()
-
-    def _wait_update(self, u):
-        # a bounded wait, and a failure in the worker is raised here, in the caller's thread
-        if not u.updated.wait(self.cfg.timeout_s):
-            raise RuntimeError("zero: the offload worker did not finish a unit in time")
-        if self.worker_error is not None:
-            err, self.worker_error = self.worker_error, None
-            raise RuntimeError("zero: the offload update failed") from err
-
-    def _settle(self):
-        """Every unit's update done and (stages 1-2 with offload) gathered: the state is this step's."""
-        for u in self.units:
-            self._wait_update(u)
-        if self.cfg.offload and self.cfg.stage in (1, 2):
-            for u in self.units:
-                self._gather(u)
 
     # -- what the engine tells its user
 
@@ -1404,6 +1420,8 @@ class Zero:
                            "(the fp32 master weights are sharded across ranks; at stage 3 the parameters too). Use "
                            "engine.full_state_dict() (every rank calls it; rank0_only=True keeps it on rank 0 only) "
                            "or zero.save(engine, dir)")
+
+
 
 
 LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys wrong_shapes")

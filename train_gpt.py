@@ -356,7 +356,8 @@ def main():
         try:  # memory-mapped: each rank reads only the slices it keeps
             engine.load_state_dict(torch.load(init_from, map_location="cpu", mmap=True, weights_only=True))
         except (ValueError, RuntimeError) as e:  # another model or vocabulary: zero lists what does not fit
-            fail(f"--init_from={init_from} does not fit this model ({str(e).removeprefix('zero: ')}); "
+            why = str(e).removeprefix("zero: ")
+            fail(f"--init_from={init_from} does not fit this model ({why[:300] + ' ...' * (len(why) > 300)}); "
                  "use the --model/--n_layer/--n_embd/--data it was trained with")
     step = 0
     if resume:

@@ -144,13 +144,15 @@ def make_batches(steps, batch, seq=8, vocab=29, seed=1):
     return data[..., :-1], data[..., 1:]
 
 
-def reference(steps, batch, cfg, accum=1, **model_kw):
-    """Single process, fp32, plain AdamW with the same groups, clip_grad_norm_ on the global batch."""
+def reference(steps, batch, cfg, accum=1, make_groups=None, schedule=None, **model_kw):
+    """Single process, fp32, plain AdamW with the same groups (by default zero's: decay on >= 2-D tensors),
+    clip_grad_norm_ on the global batch, and LambdaLR(schedule) if given."""
     model = make_model(**model_kw)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    opt = torch.optim.AdamW([dict(params=decay, weight_decay=cfg.weight_decay),
-                             dict(params=no_decay, weight_decay=0.0)], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    groups = make_groups(model) if make_groups else [dict(params=decay), dict(params=no_decay, weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
     xs, ys = make_batches(steps, batch)
     losses, norms = [], []
     for s in range(steps):
@@ -159,6 +161,8 @@ def reference(steps, batch, cfg, accum=1, **model_kw):
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
         opt.step()
+        if sched:
+            sched.step()
         losses.append(loss.item())
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -729,7 +733,8 @@ def _meta_cases(rank, world, path):
     return out
 
 
-def _steps(rank, world, engine, steps=STEPS, batch=BATCH):
+def _steps(rank, world, engine, steps=STEPS, batch=BATCH, step=None):
+    """Train on this rank's slice of each global batch; step(s) replaces engine.step()."""
     xs, ys = make_batches(steps, batch)
     per, losses, norms = batch // world, [], []
     for s in range(steps):
@@ -738,7 +743,7 @@ def _steps(rank, world, engine, steps=STEPS, batch=BATCH):
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / world)
-        engine.step()
+        step(s) if step else engine.step()
         norms.append(engine.grad_norm)
     return dict(losses=losses, norms=norms, oks=[True] * steps, sd=engine.full_state_dict())
 
@@ -973,21 +978,8 @@ def layerwise(model):
 WARMUP = lambda s: min(1.0, (s + 1) / 3)   # noqa: E731
 
 
-def groups_reference(make_groups, steps=STEPS, batch=BATCH):
-    model = make_model(tie=False)
-    opt = torch.optim.AdamW(make_groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, WARMUP)
-    xs, ys = make_batches(steps, batch)
-    losses, norms = [], []
-    for s in range(steps):
-        opt.zero_grad()
-        loss = model(xs[s], ys[s])["loss"]
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+def groups_reference(make_groups):
+    return reference(STEPS, BATCH, zero.Config(lr=LR), make_groups=make_groups, schedule=WARMUP, tie=False)
 
 
 def _group_cases(rank, world, cases):
@@ -996,22 +988,15 @@ def _group_cases(rank, world, cases):
         model = make_model(tie=False)
         groups = {"three": three_groups, "layerwise": layerwise}[name](model)
         engine = zero.Zero(model, zero.Config(stage=stage, dtype=dtype, lr=LR, offload=offload), param_groups=groups)
-        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, WARMUP)
-        xs, ys = make_batches(STEPS, BATCH)
-        per, losses, norms, lrs = BATCH // world, [], [], []
-        for s in range(STEPS):
-            loss = engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"]
-            engine.backward(loss)
-            t = loss.detach().clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
+        sched, lrs = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, WARMUP), []
+
+        def step(s):
             engine.optimizer.zero_grad()    # harmless: torch code calls it out of habit
             (engine.step if s % 2 else engine.optimizer.step)()   # the same thing either way
             sched.step()
-            norms.append(engine.grad_norm)
             lrs.append([g["lr"] for g in engine.optimizer.param_groups])
-        out[(stage, dtype, offload, name)] = dict(losses=losses, norms=norms, oks=[True], sd=engine.full_state_dict(),
-                                                  lrs=lrs, sched=sched.state_dict())
+        r = _steps(rank, world, engine, step=step)
+        out[(stage, dtype, offload, name)] = dict(r, lrs=lrs, sched=sched.state_dict())
     return out if rank == 0 else None
 
 
@@ -1600,21 +1585,7 @@ def _reversed_case(rank, world):
 
 def test_blocks_run_in_another_order_than_registered():
     r = spawn(_reversed_case, 2)[0]
-    model = make_model(reverse=True)
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
-                            lr=LR, betas=(0.9, 0.95))
-    xs, ys = make_batches(STEPS, BATCH)
-    losses, norms = [], []
-    for s in range(STEPS):
-        opt.zero_grad()
-        loss = model(xs[s], ys[s])["loss"]
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        losses.append(loss.item())
-    _check_parity(r, "fp32", (losses, norms, model.state_dict()), "blocks in reverse")
+    _check_parity(r, "fp32", reference(STEPS, BATCH, zero.Config(lr=LR), reverse=True), "blocks in reverse")
 
 
 class Encoder(nn.Module):

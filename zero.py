@@ -210,11 +210,11 @@ class Comm:
                                "or ran other collectives (at stage 3: called a unit a different number of times; "
                                "raise Config.timeout_s if it is just slow)") from (done or None)
 
-    def all_reduce(self, t, purpose="world", kind="scalar", sync=True, op=dist.ReduceOp.SUM):
+    def all_reduce(self, t, purpose="world", kind="scalar", sync=True):
         pg, n = self.groups[purpose]
         self._log(kind, t, 2, n)
         # async always: callers overlap it with backward, or wait at once (sync=True)
-        work = dist.all_reduce(t, op=op, group=pg, async_op=True) if n > 1 else None
+        work = dist.all_reduce(t, group=pg, async_op=True) if n > 1 else None
         return self.wait(work) if sync else work
 
     def reduce_scatter(self, out, inp, kind="reduce_scatter", sync=True):
@@ -525,7 +525,7 @@ class Unit:
         self.written = set()        # params whose gradient is in `grad` (the first copies, later ones add)
         self.got = set()            # params that got a gradient in this accumulation window
         self.expected = self.arrived = 0   # gradients this backward waits for / has had
-        self.ready = self.done = False     # all expected gradients are in / every parameter's is
+        self.ready = False          # all expected gradients are in: the unit may launch its collective
         self.updated = threading.Event()   # offload: the host update of this unit is done
         self.updated.set()
 
@@ -710,7 +710,7 @@ class Gathering:
     def _pre_backward(self, u, grad):
         # runs when the gradient of u's output is ready, before any of u's own backward (or its recompute);
         # a unit whose gradients are all in is never gathered again in this backward
-        if not u.done:
+        if u.arrived < len(u.params):
             self._gather_to(u, back=True)
 
     def _owned_params(self, u):
@@ -747,7 +747,6 @@ class Reducing:
             u.ready = True
             self._launch_ready()
         if u.arrived == len(u.params):      # nothing in this backward reads u's parameters any more
-            u.done = True
             self._release(u)
 
     def _reduces_now(self):
@@ -811,7 +810,7 @@ class Reducing:
         self._settle()
         # a parameter frozen after wrapping sends no gradient: its unit does not wait for it
         for u in self.units:
-            u.expected, u.arrived, u.done = sum(p.requires_grad for p in u.params), 0, False
+            u.expected, u.arrived = sum(p.requires_grad for p in u.params), 0
             u.ready = u.expected == 0
         self.in_flight, self.launch_next, self.cursor[1] = [], 0, 0
         self._launch_ready()

@@ -199,15 +199,15 @@ def train(rank, world, cfg, steps, batch, model_kw=None, inject_inf=None, lr_sch
             assert len(set(every)) == 1, every
     return dict(losses=losses, norms=norms, oks=oks, sd=engine.full_state_dict(), mem=engine.memory(),
                 comm=engine.comm(), psi=engine.num_params(), psi_padded=engine.num_params(padded=True),
-                root=engine.root.padded if engine.root else 0, scale=engine.loss_scale,
-                peak_gathered=engine.peak_gathered_bytes, max_unit=max(u.padded for u in engine.units[:-1]),
+                root=engine.root.train.padded if engine.root else 0, scale=engine.loss_scale,
+                peak_gathered=engine.peak_gathered_bytes, max_unit=max(u.train.padded for u in engine.units[:-1]),
+                frozen=engine.num_params(padded=True, frozen=True), root_all=sum(f.padded for f in engine.root.flats),
                 step_count=engine.step_count)
 
 
 def _poison_grad(engine):
     """An inf in this rank's reduced gradient, as an fp16 overflow would leave it."""
-    u = engine.units[0]
-    (u.grad_shard if u.grad_shard is not None else u.grad).view(-1)[0] = float("inf")
+    engine.units[0].train.grad_shard.view(-1)[0] = float("inf")
 
 
 def _max_rel(a, b):
@@ -505,14 +505,14 @@ def _pass_through_case(rank, world, reuse, checkpoint):
     engine = zero.Zero(PassThrough(reuse=reuse), zero.Config(stage=3, dtype="fp32", lr=LR, checkpoint=checkpoint))
     xs, ys = make_batches(3, 4 * world)
     per, calls = 4, []
-    real = engine._start_gather
-    engine._start_gather = lambda u: (calls.append(u.index) if not (u.gathered or u.gather_work) else None, real(u))
+    real = engine._unshard
+    engine._unshard = lambda u, wait=True: (calls.append(u.index) if u.phase == zero.FREED else None, real(u, wait))
     for s in range(3):
         calls.clear()
         engine.backward(engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]))
         engine.step()
-    units = [u.padded for u in engine.units]
-    return dict(comm=engine.comm(), psi=engine.num_params(padded=True), root=engine.root.padded, calls=list(calls),
+    units = [u.train.padded for u in engine.units]
+    return dict(comm=engine.comm(), psi=engine.num_params(padded=True), root=engine.root.train.padded, calls=list(calls),
                 units=units, peak=engine.peak_gathered_bytes)
 
 
@@ -556,11 +556,14 @@ class OutOfPlace(nn.Module):
         return F.cross_entropy(self.head(x).view(-1, 29), targets.reshape(-1))
 
 
+OUT_OF_PLACE = [(s, False) for s in range(4)] + [(s, True) for s in (1, 2, 3)]
+
+
 def _out_of_place_case(rank, world):
     out = []
-    for stage in range(4):
+    for stage, offload in OUT_OF_PLACE:     # with offload, stages 1-2 gather in the forward too
         torch.manual_seed(0)
-        engine = zero.Zero(OutOfPlace(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+        engine = zero.Zero(OutOfPlace(), zero.Config(stage=stage, dtype="fp32", lr=LR, offload=offload))
         xs, ys = make_batches(3, 2 * world)
         for s in range(3):
             engine.backward(engine(xs[s, 2 * rank:2 * rank + 2], ys[s, 2 * rank:2 * rank + 2]))
@@ -581,9 +584,9 @@ def test_parameters_used_outside_their_block_at_every_stage():
         ref(xs[s], ys[s]).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
-    for stage, sd in enumerate(spawn(_out_of_place_case, 2)[0]):   # a crash fails this test alone
+    for case, sd in zip(OUT_OF_PLACE, spawn(_out_of_place_case, 2)[0]):   # a crash fails this test alone
         for k, v in ref.state_dict().items():
-            assert torch.allclose(sd[k], v, atol=1e-5, rtol=1e-5), (stage, k, (sd[k] - v).abs().max())
+            assert torch.allclose(sd[k], v, atol=1e-5, rtol=1e-5), (case, k, (sd[k] - v).abs().max())
 
 
 # -----------------------------------------------------------------------------
@@ -716,9 +719,10 @@ def _meta_cases(rank, world, path):
     out["tied"] = m.head.weight is m.emb.weight and not m.gain.requires_grad
     out["init"] = engine.full_state_dict()
     out["no_init"] = None
+    unfilled = zero.Zero(meta_model(), zero.Config(stage=3))   # no init_fn: what nothing initialized is marked
     try:
-        zero.Zero(meta_model(), zero.Config(stage=3))
-    except ValueError as e:
+        unfilled(*make_batches(1, 2))
+    except RuntimeError as e:
         out["no_init"] = str(e)
     # the same weights into an eager engine and into meta-built ones, every stage, with and without offload:
     # each trains like the reference; the weights file is memory-mapped, as a big checkpoint would be
@@ -757,7 +761,8 @@ def test_meta_construction_and_loading_pretrained_weights(tmp_path):
     assert a["tied"] and b["tied"]
     for k in a["init"]:                     # one set of initial weights on every rank, and a real one
         assert torch.equal(a["init"][k], b["init"][k]) and torch.isfinite(a["init"][k]).all(), k
-    assert "'gain' was built on the meta device" in a["no_init"] and "init_fn" in a["no_init"], a["no_init"]
+    assert "'gain'" in a["no_init"] and "built on the meta device" in a["no_init"] and "init_fn" in a["no_init"], \
+        a["no_init"]
     for case, r in a.items():
         if isinstance(case, tuple):
             _check_parity(r, "fp32", ref, f"loaded into {case}")
@@ -798,10 +803,10 @@ def _export_case(rank, world):
         engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=stage, dtype="bf16", lr=LR))
         _run(rank, world, engine, 1, 0)
         gathered, real = [], engine.net.all_gather
-        engine.net.all_gather = lambda out_, inp, **kw: (gathered.append(out_.numel() * out_.element_size()),
-                                                         real(out_, inp, **kw))[1]
+        engine.net.all_gather = lambda out_, inp, *a, **kw: (gathered.append(out_.numel() * out_.element_size()),
+                                                             real(out_, inp, *a, **kw))[1]
         full, mine = engine.full_state_dict(), engine.full_state_dict(rank0_only=True)
-        out[stage] = dict(full=full, mine=mine, gathered=gathered, units=[u.padded * 4 for u in engine.units])
+        out[stage] = dict(full=full, mine=mine, gathered=gathered, units=[f.padded * 4 for u in engine.units for f in u.flats])
         # the model's own methods: state_dict() refused with the way out; load_state_dict() goes to the engine
         with pytest.raises(RuntimeError, match="engine.full_state_dict"):
             engine.module.state_dict()
@@ -845,7 +850,7 @@ def _build_memory(rank, world, meta, n_blocks, d):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     mem = engine.memory()["device"]
     return dict(growth=peak - before, shards=sum(mem.values()), psi=engine.num_params(),
-                unit=max(u.padded for u in engine.units[:-1]) * 4)
+                unit=max(u.train.padded for u in engine.units[:-1]) * 4)
 
 
 def test_building_on_the_meta_device_holds_shards_plus_a_few_units():
@@ -911,7 +916,8 @@ def test_hybrid_sharding_matches_adamw_and_its_formulas(tmp_path):
         tag = f"hybrid stage {stage} {dtype} accum {accum} offload {offload}"
         _check_parity(r, dtype, refs[1], tag)
         padded, k, reps = r["psi_padded"], 2, 2
-        assert r["mem"] == zero.estimate_memory(padded, 4, stage, dtype, offload=offload, shard_group=k), tag
+        assert r["mem"] == zero.estimate_memory(padded, 4, stage, dtype, offload=offload, shard_group=k,
+                                                frozen_params=r["frozen"]), tag
         comm = {kind: v["elements"] for kind, v in r["comm"].items()}
         # inside the group, per step: the reduce-scatters (stages 2-3: one per micro-batch) and the all-gathers
         # (stage 3: for each micro-batch's forward and backward, the root once)
@@ -1062,8 +1068,8 @@ def test_param_groups_go_through_checkpoints(tmp_path):
 # fp16 overflow: an inf in one rank's gradient skips the step on every rank and loses nothing
 
 def _state(engine):
-    return [t.clone() for u in engine.units for t in (u.master, u.exp_avg, u.exp_avg_sq, u.flat if u.shard is None
-                                                       else u.shard)]
+    return [t.clone() for u in engine.units if u.train for f in [u.train]
+            for t in (f.master, f.exp_avg, f.exp_avg_sq, f.flat if f.shard is None else f.shard)]
 
 
 def _overflow_case(rank, world, stage):
@@ -1149,9 +1155,9 @@ def test_memory_and_communication_match_the_formulas(world, dtype):
     for stage, r in res.items():
         psi, padded = r["psi"], r["psi_padded"]
         assert psi <= padded < psi + 5 * world                  # padding: under `world` elements per unit
-        want = zero.estimate_memory(padded, world, stage, dtype)
+        want = zero.estimate_memory(padded, world, stage, dtype, frozen_params=r["frozen"])
         assert r["mem"]["device"] == want["device"], f"stage {stage}: {r['mem']} vs formula {want}"
-        assert r["mem"]["host"] == dict(params=0, grads=0, master=0, optim=0)
+        assert r["mem"]["host"] == dict(params=0, grads=0, master=0, optim=0, frozen=0)
         comm = {k: v["elements"] for k, v in r["comm"].items() if k in ("all_reduce", "reduce_scatter", "all_gather")}
         f = (world - 1) / world
         if stage == 0:
@@ -1166,7 +1172,7 @@ def test_memory_and_communication_match_the_formulas(world, dtype):
             if k in comm:
                 assert v["bytes"] == v["elements"] * el
     # stage 3 really frees: whole units held at once stay a fraction of the model
-    assert 0 < res[3]["peak_gathered"] <= res[3]["root"] * el + 2 * max_unit_bytes(res[3], el)
+    assert 0 < res[3]["peak_gathered"] <= res[3]["root_all"] * el + 2 * max_unit_bytes(res[3], el)
 
 
 def max_unit_bytes(r, el):
@@ -1263,7 +1269,7 @@ def test_recompute_and_offload_change_nothing(world):
             on, off = res[("off", stage, dtype, True)], res[("off", stage, dtype, False)]
             assert same(on, off), f"offload changed stage {stage} {dtype}"
             psi = on["psi_padded"]
-            want = zero.estimate_memory(psi, world, stage, dtype, offload=True)
+            want = zero.estimate_memory(psi, world, stage, dtype, offload=True, frozen_params=on["frozen"])
             assert on["mem"] == want, f"offload memory at stage {stage} {dtype}: {on['mem']} vs {want}"
             # the device keeps only the 16-bit parameters (and stage 1's whole gradient)
             el = zero.DTYPES[dtype].itemsize
@@ -1340,7 +1346,7 @@ def saved_activation_bytes(engine, x, y):
         loss = engine(x, y)["loss"]
     engine.backward(loss)
     engine.step()
-    params = {u.flat.untyped_storage().data_ptr() for u in engine.units}
+    params = {f.flat.untyped_storage().data_ptr() for u in engine.units for f in u.flats}
     return sum(b for p, b in held.items() if p not in params)
 
 
@@ -1357,7 +1363,8 @@ def test_recompute_cuts_saved_activations():
 # checkpoints: bit-exact resume, another world size and stage, consolidation, crashes, bad files
 
 def _shard_state(engine):
-    return [torch.cat([getattr(u, k).float().flatten() for u in engine.units]) for k in ("master", "exp_avg", "exp_avg_sq")]
+    return [torch.cat([getattr(u.train, k).float().flatten() for u in engine.units if u.train])
+            for k in ("master", "exp_avg", "exp_avg_sq")]
 
 
 def _run(rank, world, engine, steps, start, batch=12, die_at=None, ckpt=None, every=None):
@@ -1554,7 +1561,7 @@ def test_collectives_start_during_backward():
         real = engine._reduce
 
         def spy(u):
-            pending_at_launch.append(sum(x.arrived == 0 for x in engine.units))
+            pending_at_launch.append(sum(not x.train.got for x in engine.units))
             return real(u)
         engine._reduce = spy
         x, y = make_batches(1, 2)
@@ -1620,7 +1627,7 @@ def test_stage3_a_part_of_the_model_called_on_its_own():
     engine.step()
     with torch.no_grad():                   # the root (the shared embedding) is gathered for it too
         assert torch.allclose(engine.module.encoder(x[1]), ref.encoder(x[1]), atol=1e-6)
-    assert not any(u.gathered for u in engine.units)    # and freed again after it
+    assert all(u.phase == zero.FREED for u in engine.units)    # and freed again after it
     engine.backward(engine(x[1], y[1]))
     assert engine.step()
     with pytest.raises(RuntimeError, match="zero.save"):   # the optimizer's state lives in the engine
@@ -1632,7 +1639,7 @@ def test_user_chosen_units():
     model = make_model()
     engine = zero.Zero(model, zero.Config(stage=3, dtype="fp32", lr=LR), units=[model.blocks[0], model.blocks[2]])
     assert [u.module for u in engine.units[:-1]] == [model.blocks[0], model.blocks[2]]
-    assert any(n.startswith("blocks.1.") for n in engine.root.names)
+    assert any(n.startswith("blocks.1.") for n in engine.root.train.names)
     xs, ys = make_batches(STEPS, BATCH)
     for s in range(STEPS):
         engine.backward(engine(xs[s], ys[s])["loss"])
@@ -1736,12 +1743,13 @@ def test_stage3_prefetches_the_next_unit():
     asks for it: the previous unit's hooks prefetched it."""
     engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=3, dtype="fp32"))
     ready_on_arrival = []
-    real = engine._gather
+    real = engine._unshard
 
-    def spy(u):
-        ready_on_arrival.append((u.index, u.gathered or u.gather_work is not None))
-        return real(u)
-    engine._gather = spy
+    def spy(u, wait=True):
+        if wait:
+            ready_on_arrival.append((u.index, u.phase != zero.FREED))
+        return real(u, wait)
+    engine._unshard = spy
     x, y = make_batches(2, 2)
     for s in range(2):
         ready_on_arrival.clear()
@@ -1753,3 +1761,248 @@ def test_stage3_prefetches_the_next_unit():
     ready_on_arrival.clear()
     engine.backward(engine(x[0], y[0])["loss"])
     assert not any(ok for i, ok in ready_on_arrival if i != engine.root.index), ready_on_arrival
+
+
+# -----------------------------------------------------------------------------
+# NCCL's semantics on gloo. Every figure of this suite comes from CPU processes on gloo, whose work objects
+# behave otherwise than NCCL's: NccLike wraps the engine's four collectives so that a work's is_completed()
+# stays False until waited on (a device behind its CPU), every wait is recorded with its phase and whether it
+# blocks the CPU thread (a timed wait does, on NCCL: a busy-wait until the device is done), every launch is
+# traced across all the engine's groups, and NCCL's rules are asserted on every collective.
+
+class NcclLike:
+    def __init__(self):
+        self.phase, self.waits, self.launches = "setup", [], []
+        self.real = {n: getattr(zero, n) for n in ("_all_gather", "_reduce_scatter", "_all_reduce", "_broadcast")}
+        for n, fn in self.real.items():
+            setattr(zero, n, self._wrap(n, fn))
+
+    def close(self):
+        for n, fn in self.real.items():
+            setattr(zero, n, fn)
+
+    def _wrap(self, name, fn):
+        log = self
+
+        class Work:                         # a device behind its CPU: nothing is complete until waited on
+            def __init__(self, work):
+                self.work, self.done = work, False
+
+            def is_completed(self):
+                return self.done
+
+            def wait(self, timeout=None):
+                log.waits.append((log.phase, timeout is not None))
+                r = self.work.wait() if timeout is None else self.work.wait(timeout)
+                self.done = True
+                return r
+
+        def call(*args, group=None, async_op=False, **kw):
+            ts = [a for a in args if isinstance(a, torch.Tensor)]
+            # NCCL's rules: contiguous tensors of one dtype; an in-place slice at group rank x its size
+            assert all(t.is_contiguous() for t in ts), (name, [t.stride() for t in ts])
+            assert len({t.dtype for t in ts}) == 1, (name, [t.dtype for t in ts])
+            if len(ts) == 2:
+                big, small = (ts[0], ts[1]) if name == "_all_gather" else (ts[1], ts[0])
+                n, r = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+                assert big.numel() == n * small.numel(), (name, big.shape, small.shape)
+                if small.untyped_storage().data_ptr() == big.untyped_storage().data_ptr():
+                    assert small.storage_offset() - big.storage_offset() == r * small.numel(), name
+            log.launches.append((log.phase, name, ts[0].numel(), str(ts[0].dtype)))
+            work = fn(*args, group=group, async_op=async_op, **kw)
+            return Work(work) if async_op else work
+        return call
+
+
+class Probe:
+    """Whole parameters and whole gradients, sampled from the engine's tensors at every hook of the model (every
+    module's forward, every parameter's gradient) and at every launch: the most of each seen per phase."""
+
+    def __init__(self, engine, harness=None):
+        self.engine, self.harness, self.peak = engine, harness, {}
+        for m in engine.module.modules():
+            m.register_forward_pre_hook(lambda *a: self.sample())
+            m.register_forward_hook(lambda *a: self.sample())
+        for p in engine.module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p: self.sample())
+
+    def sample(self):
+        e = self.engine
+        grads = sum(u.train is not None and u.train.grad is not None for u in e.units if u is not e.root)
+        params = sum(f.flat.untyped_storage().nbytes() for u in e.units for f in u.flats)
+        phase = self.harness.phase if self.harness else "any"
+        g, p = self.peak.get(phase, (0, 0))
+        self.peak[phase] = (max(g, grads), max(p, params))
+
+
+def reference_run(build, batches, steps, world, per, accum=1, lr=LR, loss_of=lambda out: out):
+    """Single-process plain AdamW (zero's default groups: decay on >= 2-D tensors) + clip_grad_norm_ on the
+    global batch, each rank's slice and micro-batch run as the engine's ranks run them."""
+    torch.manual_seed(0)
+    model = build()
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    xs, ys = batches(steps, world, per)
+    losses, norms, mb = [], [], per // accum
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(world):
+            for m in range(accum):
+                sl = slice(r * per + m * mb, r * per + (m + 1) * mb)
+                loss = loss_of(model(xs[s, sl], ys[s, sl]))
+                (loss / (world * accum)).backward()
+                total += loss.item() / (world * accum)
+        norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                          1.0)))
+        opt.step()
+        losses.append(total)
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_run(engine, batches, steps, rank, world, per, harness=None, loss_of=lambda out: out):
+    """The engine on this rank's slice of each global batch, the harness told the phase."""
+    accum = engine.cfg.accum_steps
+    xs, ys = batches(steps, world, per)
+    losses, norms, mb = [], [], per // accum
+    phase = lambda p: setattr(harness, "phase", p) if harness else None   # noqa: E731
+    for s in range(steps):
+        total = 0.0
+        for m in range(accum):
+            sl = slice(rank * per + m * mb, rank * per + (m + 1) * mb)
+            phase("forward")
+            loss = loss_of(engine(xs[s, sl], ys[s, sl]))
+            phase("backward")
+            engine.backward(loss)
+            total += loss.item() / accum
+        phase("step")
+        engine.step()
+        phase("outside")
+        t = torch.tensor(total)
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+        norms.append(engine.grad_norm)
+    return dict(losses=losses, norms=norms, oks=[True] * steps, sd=engine.full_state_dict(), comm=engine.comm())
+
+
+def _with_strided_buffer(model):
+    model.register_buffer("table", torch.randn(3, 5).t())     # not contiguous: NCCL refuses to broadcast it
+    return model
+
+
+def tiny_batches(steps, world, per):
+    return make_batches(steps, world * per)
+
+
+def t5_batches(steps, world, per):
+    return make_batches(steps, world * per)
+
+
+NCCL_MODELS = {   # name -> (build, batches, loss_of): the shapes that make ranks differ or units repeat
+    "tiny": (lambda: _with_strided_buffer(make_model(n_blocks=4)), tiny_batches, lambda out: out["loss"]),
+    "moe+skip": (lambda: Routed(skip=True), routed_batches, lambda out: out),
+    "t5": (lambda: PassThrough(), t5_batches, lambda out: out),
+    "albert": (lambda: PassThrough(reuse=True), t5_batches, lambda out: out),
+}
+NCCL_CASES = [(m, s, a, off) for m in NCCL_MODELS for s in range(4) for a in (1, 2) for off in (False,)] \
+    + [(m, s, 2, True) for m in ("tiny", "moe+skip") for s in (1, 2, 3)]
+
+
+def _nccl_cases(rank, world, cases, steps, per):
+    h, out = NcclLike(), {}
+    for name, stage, accum, offload in cases:
+        build, batches, loss_of = NCCL_MODELS[name]
+        torch.manual_seed(0)
+        cfg = zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=accum, offload=offload, waits="nccl",
+                          timeout_s=60)
+        engine = zero.Zero(build(), cfg)
+        probe = Probe(engine, h)
+        h.phase, h.waits, h.launches = "outside", [], []
+        r = engine_run(engine, batches, steps, rank, world, per, h, loss_of)
+        out[(name, stage, accum, offload)] = dict(r, waits=list(h.waits), launches=list(h.launches),
+                                                  peak=probe.peak, unit=max(u.train.padded * 4 for u in engine.order),
+                                                  root=sum(f.padded * 4 for f in engine.root.flats))
+    h.close()
+    return out
+
+
+def test_on_nccl_semantics_no_cpu_blocking_waits_one_merged_order_bounded_gradients():
+    steps, per = 3, 4
+    res = spawn(_nccl_cases, 2, NCCL_CASES, steps, per)
+    for case in NCCL_CASES:
+        name, stage, accum, offload = case
+        r0, r1 = res[0][case], res[1][case]
+        # the device runs ahead: no wait in the forward or the backward blocks the CPU thread
+        for r in (r0, r1):
+            blocking = [w for w in r["waits"] if w[1] and w[0] in ("forward", "backward")]
+            assert not blocking, (case, blocking)
+        # one merged order of launches, over every process group, on both ranks
+        assert [x[1:] for x in r0["launches"]] == [x[1:] for x in r1["launches"]], case
+        # at most three whole-unit gradients besides the root's while the backward runs (stages 2-3), even
+        # though no collective completes before it is waited on; stage 3 holds a few whole units at most
+        for r in (r0, r1):
+            grads, params = r["peak"].get("backward", (0, 0))
+            if stage >= 2:
+                assert grads <= 3, (case, r["peak"])
+            if stage == 3:
+                for phase in ("forward", "backward"):
+                    assert r["peak"][phase][1] <= r["root"] + 3 * r["unit"], (case, phase, r["peak"], r["unit"])
+        # and the result is still exactly torch AdamW's
+        build, batches, loss_of = NCCL_MODELS[name]
+        ref = reference_run(build, batches, steps, 2, per, accum, loss_of=loss_of)
+        torch.manual_seed(0)
+        _check_parity(r0, "fp32", ref, f"nccl-like {case}", init=build().state_dict())
+
+
+def _staging_case(rank, world, stage):
+    torch.manual_seed(0)
+    engine = zero.Zero(PartlyUsed(), zero.Config(stage=stage, dtype="bf16", lr=LR, offload=True))
+    for u in engine.units:      # the CUDA path, forced on the CPU: the host update writes this buffer first
+        u.train.staging = torch.full((u.train.hi - u.train.lo,), float("nan"), dtype=torch.bfloat16)
+    xs = torch.randn(4, 4 * world, 6, generator=torch.Generator().manual_seed(3))
+
+    def steps(a, b):            # model.extra never gets a gradient
+        for s in range(a, b):
+            engine.backward(engine(xs[s, 4 * rank:4 * rank + 4]))
+            engine.step()
+        engine._settle()        # the host update done, and gathered
+        # the 16-bit parameters are the rounding of the fp32 masters, those without a gradient included
+        return all(torch.equal(engine._owned(u.train), u.train.master.to(torch.bfloat16)) for u in engine.units)
+    ok = [steps(0, 2)]
+    sd = engine.full_state_dict()
+    sd.update({k: torch.full_like(v, 0.25) for k, v in sd.items() if k.startswith("extra")})
+    engine.load_state_dict(sd)
+    ok.append(steps(2, 4))
+    sd = engine.full_state_dict()
+    return ok, [sd[k] for k in ("extra.weight", "extra.bias")]
+
+
+def test_offload_staging_keeps_parameters_without_a_gradient():
+    for stage in (1, 2, 3):
+        for ok, extra in spawn(_staging_case, 2, stage):
+            assert ok == [True, True], (stage, ok)
+            assert all(torch.equal(t, torch.full_like(t, 0.25)) for t in extra), (stage, extra)
+
+
+def test_host_update_uses_the_cores_it_may_run_on():
+    """Under torchrun OMP_NUM_THREADS=1 holds torch to one thread: the host update takes the cores the process
+    may run on, shared by the node's ranks, not torch.get_num_threads()."""
+    threads, env = torch.get_num_threads(), os.environ.pop("LOCAL_WORLD_SIZE", None)
+    torch.set_num_threads(1)
+    try:
+        cores, used = len(os.sched_getaffinity(0)), []
+        for ranks in (1, 2):
+            os.environ["LOCAL_WORLD_SIZE"] = str(ranks)
+            seen = set()
+            zero._parallel(lambda *a: seen.add(__import__("threading").get_ident()), 64 * zero.MIN_PER_THREAD, ())
+            used.append(len(seen))
+        assert used == [cores, max(1, cores // 2)], (cores, used)
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.pop("LOCAL_WORLD_SIZE")
+        if env is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = env

@@ -369,7 +369,7 @@ ADAMW_C = r"""
 static inline float bf16_in(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t bf16_out(float f) {  /* round to nearest even; NaN stays NaN, as torch's .to() */
   uint32_t u; memcpy(&u, &f, 4); return f != f ? 0xffff : (u + 0x7fff + ((u >> 16) & 1)) >> 16; }
-typedef struct { float decay, scale, w, b2, w2, nstep, bc2s, eps; } hyper;  /* as adamw_step fills them */
+typedef struct { float decay, scale, w, b2, w2, nstep, bc2s, eps, hi, lo; } hyper;  /* adamw_step fills 8, adamw 2 */
 /* one parameter, as ATen's fused CPU AdamW computes it (built with -ffp-contract=off: only these fmaf fuse) */
 static inline __attribute__((always_inline)) float update(int bg, int div, int64_t i, float *p, const void *g,
     float *m, float *v, hyper h) {
@@ -377,36 +377,33 @@ static inline __attribute__((always_inline)) float update(int bg, int div, int64
   float gi = bg ? bf16_in(((const uint16_t *)g)[i]) : ((const float *)g)[i];
   if (div) gi /= h.scale;
   float mi = fmaf(wl, gi - m[i], near ? m[i] : gi), vi = fmaf(h.w2 * gi, gi, v[i] * h.b2);
-  float pi = p[i] * h.decay + h.nstep * mi / (sqrtf(vi) / h.bc2s + h.eps);
-  p[i] = pi; m[i] = mi; v[i] = vi;
-  return pi;
+  /* sqrt(vi) / bc2s, no divide (the divider bounds this loop): q within an ulp, Markstein's fma step rounds it */
+  float s = sqrtf(vi), q = fmaf(s, h.hi, s * h.lo), r = fmaf(-q, h.bc2s, s);   /* s: 0, normal, inf or NaN */
+  float pi = p[i] * h.decay + h.nstep * mi / ((s < INFINITY ? fmaf(r, h.hi, q) : s) + h.eps);
+  p[i] = pi; m[i] = mi; v[i] = vi; return pi;
 }
 static inline __attribute__((always_inline)) void body(int bg, int ob, int div, int64_t i, int64_t b,
     float *restrict p, const void *restrict g, float *restrict m, float *restrict v, uint16_t *restrict out, hyper h) {
-#ifdef __SSE2__
-  if (ob) {  /* out is only written: whole 64-byte lines go by streaming stores, which skip reading them first */
-    for (; i < b && (uintptr_t)(out + i) % 64; i++) out[i] = bf16_out(update(bg, div, i, p, g, m, v, h));
-    for (uint16_t t[32] __attribute__((aligned(64))); i + 32 <= b; i += 32) {
-      for (int j = 0; j < 32; j++) t[j] = bf16_out(update(bg, div, i + j, p, g, m, v, h));
-      for (int j = 0; j < 4; j++) _mm_stream_si128((__m128i *)(out + i) + j, _mm_load_si128((__m128i *)t + j));
-    }
+#ifdef __SSE2__  /* out is only written: whole 64-byte lines go by streaming stores, which skip reading them first */
+  for (; ob && i < b && (uintptr_t)(out + i) % 64; i++) out[i] = bf16_out(update(bg, div, i, p, g, m, v, h));
+  for (uint16_t t[32] __attribute__((aligned(64))); i + 32 <= b; i += 32) {
+    for (int j = 512; j < 544; j += 16)  /* 2 KB ahead: more lines in flight than the hardware prefetcher keeps */
+      __builtin_prefetch(p + i + j, 1), __builtin_prefetch(m + i + j, 1), __builtin_prefetch(v + i + j, 1),
+      __builtin_prefetch((const char *)g + (i + j) * (bg ? 2 : 4), 0);
+    for (int j = 0; j < 32; j++) t[j] = bf16_out(update(bg, div, i + j, p, g, m, v, h));
+    for (int j = 0; ob && j < 4; j++) _mm_stream_si128((__m128i *)(out + i) + j, _mm_load_si128((__m128i *)t + j));
   }
 #endif
-  for (; i < b; i++) {
-    float pi = update(bg, div, i, p, g, m, v, h);
-    if (ob) out[i] = bf16_out(pi);
-  }
+  for (; i < b; i++) { float pi = update(bg, div, i, p, g, m, v, h); if (ob) out[i] = bf16_out(pi); }
 }
 /* kind: bit 0 a bf16 grad, bit 1 a bf16 out, bit 2 a loss scale or clip to divide by; each its own loop */
 #define K(k) case k: body(k & 1, k >> 1 & 1, k >> 2, a, b, p, g, m, v, out, h); break;
 /* the threads share *next and take a block at a time until none is left: one held up does less of the work */
 void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m, float *v, uint16_t *out,
            const hyper *hp) {
-  const hyper h = *hp;
-  for (int64_t a, b; (a = __atomic_fetch_add(next, 1 << 16, __ATOMIC_RELAXED)) < n;) {
-    b = a + (1 << 16) < n ? a + (1 << 16) : n;
-    switch (kind) { K(0) K(1) K(2) K(3) K(4) K(5) K(6) K(7) }
-  }
+  hyper h = *hp; h.hi = 1 / h.bc2s, h.lo = (float)((1 - (double)h.bc2s * h.hi) / h.bc2s);  /* hi + lo: 1 / bc2s */
+  for (int64_t a, b; (a = __atomic_fetch_add(next, 1 << 16, __ATOMIC_RELAXED)) < n;)
+    switch (b = a + (1 << 16) < n ? a + (1 << 16) : n, kind) { K(0) K(1) K(2) K(3) K(4) K(5) K(6) K(7) }
 #ifdef __SSE2__
   _mm_sfence();  /* streaming stores are weakly ordered: all visible before the caller goes on */
 #endif
@@ -493,8 +490,8 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
             all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
         n, next_block = master.numel(), ctypes.c_int64(0)
         bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step   # in double, then rounded to float, as torch does
-        consts = (ctypes.c_float * 8)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
-                                      -lr / bc1, math.sqrt(bc2), eps)
+        consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
+                                       -lr / bc1, math.sqrt(bc2), eps)   # the kernel fills the last two
         kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
         ptrs = [t.data_ptr() for t in ts] + [None] * (out is None)
         return _parallel(fn, n, (kind, n, ctypes.addressof(next_block), *ptrs, consts))
@@ -879,13 +876,14 @@ class Zero:
 
         # -- one unit at a time: a model built on the meta device becomes real here, then its unit is
         # sharded and the rest freed, so no rank ever holds the whole model
-        stop, self.made, self.placed = {id(m) for m in unit_modules}, set(), {}
+        stop, self.made, self.placed, rounded = {id(m) for m in unit_modules}, set(), {}, []
         for m in unit_modules + [self.module]:
             mods = list(_post_order(m, stop - {id(m)}))   # the root: every module outside the units
             self._materialize(mods, init_fn)
             self._place_buffers(mods)
             if id(m) in unit_of:
-                self._build(unit_of[id(m)])
+                rounded += self._build(unit_of[id(m)])
+        self._warn_rounded(rounded)
 
         # -- hooks: one per trainable parameter for its gradient (it fires once per backward, after autograd
         # summed all its uses); a forward begins with the first module outside the units to start (the model,
@@ -1113,10 +1111,10 @@ class Zero:
             if self.master_is_param and f.trainable:
                 f.master = self._owned(f)
             del full
-        self._warn_rounded(frozen)
         if self.shards_params:
             u.phase = WHOLE
             self._reshard(u)
+        return frozen                       # frozen parameters whose values the compute dtype changes
 
     def _warn_rounded(self, names):
         if names:

@@ -22,6 +22,7 @@ run are claims; absolute numbers come with the hardware line printed first.
 
     python bench.py            # the full run (about 10 minutes on 2 CPU cores)
     python bench.py --quick    # a reduced smoke run, under a minute
+    python bench.py --baseline OLD.py    # also another zero.py's stages, interleaved (git show HEAD~:zero.py)
 """
 import argparse, datetime, importlib.util, os, platform, queue, socket, statistics, tempfile, time, traceback
 from contextlib import nullcontext
@@ -35,6 +36,11 @@ try:
     import zero
 except Exception as e:  # the peers are still measured without it
     zero, ZERO_ERR = None, f"{type(e).__name__}: {e}"
+zero_base = None  # --baseline: another zero.py, its variants named base0 .. base3 (loaded in every rank)
+if os.environ.get("ZERO_BASELINE"):
+    _spec = importlib.util.spec_from_file_location("zero_base", os.environ["ZERO_BASELINE"])
+    zero_base = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(zero_base)
 
 MB, GB = 1e6, 1e9
 VOCAB = 256  # train_gpt's default data is bytes
@@ -42,6 +48,7 @@ OPT = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # the same A
 KINDS = ("params", "grads", "master", "optim")
 # (ours, baseline, ratio to reach): tokens/s of ours over the baseline's, same dtype, same run
 TARGETS = [("zero0", "ddp", 1.0), ("zero1", "zero-opt", 1.0), ("zero2", "ddp", 0.95), ("zero3", "fsdp2", 1.1)]
+BASE_TARGETS = [(f"zero{s}", f"base{s}", 0.95) for s in range(4)]  # with --baseline: this engine vs the other
 
 
 # --------------------------------------------------------------------------- model, data, bytes
@@ -77,24 +84,27 @@ def storage_bytes(tensors, seen):
 def peer_held(model, opt):
     """What a PyTorch peer holds, in the engine's kinds: its fp32 params are its master."""
     opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's AdamW in .optim
-    seen, ps = set(), list(model.parameters())
+    seen, ps = set(), [p for p in model.parameters() if p.requires_grad]
     states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     return dict(params=storage_bytes(ps, seen), grads=storage_bytes([p.grad for p in ps if p.grad is not None], seen),
-                master=0, optim=storage_bytes(states, seen))
+                master=0, optim=storage_bytes(states, seen),
+                frozen=storage_bytes([p for p in model.parameters() if not p.requires_grad], seen))
 
 
 # --------------------------------------------------------------------------- the variants
 def stage_of(name):
-    """zero.py's variants are zero0 .. zero3, with "+off" for offload; the peers are ddp, zero-opt, fsdp2."""
-    return int(name[4]) if name[:4] == "zero" and name[4:5].isdigit() else None
+    """zero.py's variants are zero0 .. zero3 (base0 .. base3: the --baseline's), with "+off" for offload; the
+    peers are ddp, zero-opt, fsdp2."""
+    return int(name[4]) if name[:4] in ("zero", "base") and name[4:5].isdigit() else None
 
 
-def build(name, dtype, model, world):
+def build(name, dtype, model, world, **extra):
     """One way to train `model`: (step(x, y), held() -> (device, host) bytes by kind, comm or None)."""
     if stage_of(name) is not None:
-        if zero is None:
+        z = zero_base if name.startswith("base") else zero
+        if z is None:
             raise RuntimeError(f"import zero failed: {ZERO_ERR}")
-        eng = zero.Zero(model, zero.Config(stage=stage_of(name), dtype=dtype, offload=name.endswith("+off"), **OPT))
+        eng = z.Zero(model, z.Config(stage=stage_of(name), dtype=dtype, offload=name.endswith("+off"), **OPT, **extra))
 
         def step(x, y):
             eng.backward(eng(x, y))
@@ -303,6 +313,62 @@ def hybrid_job(rank, world, o):
     return out
 
 
+class LoRA(torch.nn.Module):
+    """A frozen nn.Linear with a trainable rank-r update, B A (as peft's LoRA)."""
+
+    def __init__(self, base, r):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = torch.nn.Parameter(torch.randn(r, base.in_features) / base.in_features ** 0.5)
+        self.B = torch.nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.A.t()) @ self.B.t()
+
+
+def lora_gpt(preset, r=8):
+    """train_gpt's GPT with rank-r adapters on every Linear of its blocks, the rest frozen (a LoRA fine-tune)."""
+    model = make_gpt(preset).requires_grad_(False)
+    for b in model.blocks:
+        for parent in list(b.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, LoRA(child, r))
+    return model
+
+
+def lora_job(rank, world, o):
+    """Model states per rank of a LoRA fine-tune at stage 3, after two bf16 steps."""
+    out = {}
+    for name, extra in (("zero3", {}), ("zero3", dict(frozen_dtype="fp32")), ("fsdp2", {})):
+        model = lora_gpt(o["mem_preset"])
+        step, held, _ = build(name, "bf16", model, world, **extra)
+        xy = batch(model, 1, rank)
+        for _ in range(2):
+            step(*xy)
+        out[name + (" frozen_dtype=fp32" if extra else "")] = held()[0]
+        out["psi"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return out
+
+
+def report_lora(res, psi_f, world):
+    psi = res.pop("psi")
+    print(f"### 1b. A LoRA fine-tune at stage 3: the default GPT with rank-8 adapters on every Linear of its blocks "
+          f"({psi / 1e3:.1f}K trainable, {psi_f / 1e6:.2f}M frozen parameters), {world} ranks, bf16 (MB = 1e6 B)\n")
+    print("Counted the same way for both, from the storages after two steps: FSDP2 `fully_shard` per block keeps "
+          "every sharded parameter in fp32 (MixedPrecisionPolicy(param_dtype=bf16) casts when gathering); zero.py "
+          "holds the frozen base in bf16, or exactly in fp32 with frozen_dtype='fp32'.\n")
+    rows = [[name] + [f"{m.get(k, 0) / MB:.3f}" for k in KINDS + ("frozen",)] + [f"{sum(m.values()) / MB:.3f}"]
+            for name, m in res.items()]
+    table(["variant"] + list(KINDS) + ["frozen", "total"], rows)
+    est = zero.estimate_memory(psi, world, 3, "bf16", frozen_params=psi_f)["device"]
+    print(f"Formula, zero.estimate_memory(frozen_params=...): {sum(est.values()) / MB:.3f} MB (frozen "
+          f"{est['frozen'] / MB:.3f}). 30B frozen + 40M trainable on 8 GPUs: "
+          f"{sum(zero.estimate_memory(4e7, 8, 3, 'bf16', frozen_params=3e10)['device'].values()) / GB:.1f} GB per "
+          f"GPU at stage 3, {sum(zero.estimate_memory(4e7, 8, 2, 'bf16', frozen_params=3e10)['device'].values()) / GB:.1f}"
+          " GB at stage 2 (the base whole on every GPU).\n")
+
+
 def report_hybrid(res, psi, world):
     print(f"### 2b. Hybrid sharding: stage 3, bf16, {world} ranks as 2 groups of 2 vs one group of {world} "
           f"({psi / 1e6:.2f}M params, MB = 1e6 B)\n")
@@ -345,11 +411,11 @@ def report_tput(res, o):
             for (n, d), v in t.items()] + [[n, d, f"failed: {e}", ""] for (n, d), e in res["errors"].items()]
     table(["variant", "dtype", "tokens/s (median)", "x DDP"], rows)
     rows = []
-    for (ours, base, want), d in ((tg, d) for tg in TARGETS for d in ("fp32", "bf16")):
+    for (ours, base, want), d in ((tg, d) for tg in TARGETS + BASE_TARGETS * ("base0", "fp32") in t for d in ("fp32", "bf16")):
         if (ours, d) not in t or (base, d) not in t:
             rows.append([f"{ours} / {base}", d, "—", "", "", f">= {want}", "not measured"])
             continue
-        r, each = ratio(t[ours, d], t[base, d]), [a / b for a, b in zip(t[ours, d], t[base, d])]
+        r, each = ratio(t[ours, d], t[base, d]), [a / b for a, b in zip(t[ours, d], t[base, d])]  # noqa
         rows.append([f"{ours} / {base}", d, f"{r:.2f}", f"{min(each):.2f}-{max(each):.2f}",
                      f"{max(t[ours, d]) / max(t[base, d]):.2f}", f">= {want}", "met" if r >= want else "MISSED"])
     table(["tokens/s", "dtype", "median ratio", "range over rounds", "best / best", "target", ""], rows)
@@ -530,6 +596,32 @@ def report_gpu(quick):
         return print("skipped: " + ("no CUDA device" if zero else f"import zero failed: {ZERO_ERR}") + "\n")
     name, dev = torch.cuda.get_device_name(), torch.device("cuda")
     peak = next((v for k, v in train_gpt.PEAK_FLOPS.items() if k in name), 0.0)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"torch {torch.__version__} on {name}; the host update runs on {zero._host_threads()} threads "
+          f"({cores} cores, LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', 1)})\n")
+    # the CUDA-only paths at world size 1: offload's pinned staging copy (a parameter without a gradient keeps its
+    # value, also after load_state_dict) and the pinned host bytes against what memory() counts
+    model = make_gpt("tiny")
+    model.unused = torch.nn.Linear(8, 8)   # in the root unit, never gets a gradient
+    eng = zero.Zero(model, zero.Config(stage=2, dtype="bf16", offload=True, **OPT))
+    x, y = (t.to(dev) for t in batch(model, 2, 0))
+    exact = []
+    for s in range(4):
+        if s == 2:
+            sd = eng.full_state_dict()
+            sd.update({k: torch.full_like(v, 0.25) for k, v in sd.items() if k.startswith("unused")})
+            eng.load_state_dict(sd)
+        eng.backward(eng(x, y))
+        eng.step()
+        eng._settle()
+        exact.append(all(torch.equal(eng._owned(u.train).cpu(), u.train.master.to(torch.bfloat16)) for u in eng.units))
+    unused = eng.full_state_dict()["unused.weight"]
+    pinned = sum(b.nbytes for b, _ in eng.pinned.values())
+    host = sum(eng.memory()["host"].values())
+    print(f"offload staging: 16-bit parameters equal the masters' rounding after each step {exact}; the never-"
+          f"updated weight after load_state_dict: {'kept' if torch.all(unused == 0.25) else 'CHANGED'}; pinned "
+          f"{pinned / MB:.3f} MB pinned, memory()['host'] {host / MB:.3f} MB\n")
+    del eng, model
 
     def run(preset, stage, dtype, offload, B, steps):
         model = make_gpt(preset)
@@ -577,7 +669,11 @@ def section(fn, *a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a reduced smoke run (under a minute)")
-    quick = ap.parse_args().quick
+    ap.add_argument("--baseline", help="another zero.py, whose stages run interleaved with these (base0 .. base3)")
+    args = ap.parse_args()
+    quick = args.quick
+    if args.baseline:                       # the ranks load it at import (bench.py's own, in each process)
+        os.environ["ZERO_BASELINE"] = os.path.abspath(args.baseline)
     t0 = time.time()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
@@ -591,7 +687,8 @@ def main():
              B=2 if quick else 16, off_B=2, warmup=1 if quick else 2, rounds=1 if quick else 16,
              mem_variants=[("ddp", "fp32"), ("zero-opt", "fp32"), ("fsdp2", "fp32"), ("fsdp2", "bf16")]
              + [(z, d) for d in ("fp32", "bf16") for z in zeros] + [("zero2+off", "bf16"), ("zero3+off", "bf16")],
-             tput_variants=[(v, d) for d in ("fp32", "bf16") for v in ["ddp", "zero-opt", "fsdp2"] + zeros])
+             tput_variants=[(v, d) for d in ("fp32", "bf16") for v in ["ddp", "zero-opt", "fsdp2"] + zeros
+                            + [f"base{s}" for s in range(4)] * bool(args.baseline)])
     o["tput_psi"] = numel(make_gpt(o["tput_preset"], n_embd=o["tput_embd"]))
     psi, world = numel(make_gpt(o["mem_preset"])), 2
     try:
@@ -601,6 +698,11 @@ def main():
         section(report_tput, res, o)
     except Exception as e:
         print(f"**the 2-rank job failed:**\n```\n{e}\n```\n")
+    try:
+        psi_f = sum(p.numel() for p in lora_gpt(o["mem_preset"]).parameters() if not p.requires_grad)
+        section(report_lora, spawn(lora_job, world, (o,), timeout=300), psi_f, world)
+    except Exception as e:
+        print(f"**the LoRA job failed:**\n```\n{e}\n```\n")
     try:
         section(report_hybrid, spawn(hybrid_job, 4, (o,), timeout=300), psi, 4)
     except Exception as e:

@@ -23,7 +23,7 @@ The model is built on the meta device (shapes only) and zero.Zero makes it real 
 time, so a rank never holds more than its shards and a few blocks: --model=gpt2-xl --stage=3
 starts on ranks that could never hold gpt2-xl whole.
 """
-import ast, dataclasses, difflib, json, math, os, pickle, resource, sys, sysconfig, time
+import ast, dataclasses, difflib, math, os, pickle, resource, sys, sysconfig, time
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ block_size = 0          # context length in tokens
 # data
 data = ""               # "" = bytes of the Python stdlib's source | DIR with nanoGPT's train.bin, val.bin
                         # (and meta.pkl) | any FILE, its bytes as tokens
-out_dir = "out"         # checkpoints, ckpt.json and the stdlib token cache go here
+out_dir = "out"         # the checkpoint (with the loop's own state) and the stdlib token cache go here
 batch_size = 16         # sequences per micro-batch per rank: global batch = batch_size * world * accum_steps
 # training loop
 max_iters = 800         # optimizer steps in total (a resumed run counts the steps already taken)
@@ -53,6 +53,7 @@ ckpt_interval = 1000    # checkpoint every this many steps (and always at the en
 resume = False          # continue from out_dir's checkpoint: weights, optimizer, step and data stream
 init_from = ""          # start from the weights of a plain state_dict file (python zero.py consolidate's output)
 seed = 1337             # model init and the data stream
+compile = False         # torch.compile the model (nanoGPT's default on GPUs; graphs break at zero's unit hooks)
 # learning rate: linear warm-up, then cosine decay to min_lr
 warmup_iters = 50       # steps of linear warm-up from 0
 lr_decay_iters = 0      # step where the cosine reaches min_lr (0 = max_iters)
@@ -304,15 +305,15 @@ def main():
     cfg.update({f.name: f.default for f in dataclasses.fields(zero.Config)
                 if f.name not in cfg and type(f.default) in (int, float, bool, str)})
     parse_args(sys.argv[1:], cfg)
-    ckpt_dir, meta_path = os.path.join(cfg["out_dir"], "ckpt"), os.path.join(cfg["out_dir"], "ckpt.json")
+    ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
     if cfg["resume"]:
-        if not os.path.exists(meta_path):
-            fail(f"--resume=True but there is no checkpoint in {cfg['out_dir']} ({meta_path} is missing)")
-        with open(meta_path) as f:
-            meta = json.load(f)
+        try:  # the loop's own state, saved inside the checkpoint: its step and its config
+            saved = zero.read_extra(ckpt_dir)
+        except (OSError, ValueError) as e:
+            fail(f"--resume=True: {e}")
         # the model and the data must be those of the checkpoint; everything else may change
-        cfg.update({k: meta["config"][k] for k in ("model", "n_layer", "n_head", "n_embd", "block_size", "data",
-                                                    "seed")})
+        cfg.update({k: saved["config"][k] for k in ("model", "n_layer", "n_head", "n_embd", "block_size", "data",
+                                                     "seed")})
     if cfg["model"] not in PRESETS:
         fail(f"--model={cfg['model']}: unknown preset (known: {', '.join(PRESETS)})")
     for k, v in zip(("n_layer", "n_head", "n_embd", "block_size"), PRESETS[cfg["model"]]):
@@ -325,7 +326,7 @@ def main():
     globals().update(cfg)  # from here on the globals hold the final config
 
     # one thread per core: 2 processes on 2 cores must not fight over them
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(zero._host_threads())
     rank, world, device = zero.init_distributed()
     master = rank == 0
     cfg["dtype"] = dtype if dtype != "auto" else \
@@ -359,16 +360,14 @@ def main():
             why = str(e).removeprefix("zero: ")
             fail(f"--init_from={init_from} does not fit this model ({why[:300] + ' ...' * (len(why) > 300)}); "
                  "use the --model/--n_layer/--n_embd/--data it was trained with")
+    if compile:
+        engine.module.compile()  # after wrapping: each block's forward compiled, the engine's hooks between them
     step = 0
     if resume:
         try:
-            zero.load(engine, ckpt_dir)
-        except (OSError, ValueError) as e:  # missing shard files, another model's checkpoint...
+            step = zero.load(engine, ckpt_dir)["extra"]["step"]
+        except (OSError, ValueError, RuntimeError) as e:  # missing shard files, another model's checkpoint...
             fail(str(e))
-        step = meta["step"]
-        if engine.step_count != meta["step_count"] and master:
-            print(f"warning: the checkpoint has step_count {engine.step_count}, ckpt.json {meta['step_count']}: "
-                  "a crash between the two writes? The data stream may repeat or skip a few steps")
     tokens_per_step = batch_size * block_size * world * accum_steps
     # training FLOPs per token: 6 per weight (forward + backward) plus attention's, as in the PaLM paper
     flops_per_token = 6 * (n_params - net.wpe.weight.numel()) + 12 * n_layer * n_embd * block_size
@@ -385,21 +384,16 @@ def main():
         if resume:
             print(f"resumed from {ckpt_dir} at step {step}")
 
-    def evaluate():
-        engine.module.eval()
+    def evaluate():  # on every rank: at stage 3 each forward gathers every block from all of them
+        engine.eval()
         with torch.no_grad():  # the same val batches each time, so evaluations compare
             losses = [engine(*get_batch(splits, "val", k, batch_size, block_size, rank, world, device)).item()
                       for k in range(eval_iters)]
-        engine.module.train()
+        engine.train()
         return mean_over_ranks(sum(losses) / len(losses), device)
 
-    def save():
-        zero.save(engine, ckpt_dir)  # collective: every rank writes its shard
-        if master:  # then what the loop needs to continue, renamed into place whole
-            tmp = meta_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"step": step, "step_count": engine.step_count, "config": cfg}, f, indent=1)
-            os.replace(tmp, meta_path)
+    def save():  # every rank writes its shard; the loop's own state goes with them, in the same commit
+        zero.save(engine, ckpt_dir, extra=dict(step=step, config=cfg))
 
     val_losses, t_start, timed = [], time.time(), []
     val_losses.append(evaluate())
@@ -438,7 +432,7 @@ def main():
             save()
 
     # a sample from the trained model: every rank runs the forwards, rank 0 prints
-    engine.module.eval()
+    engine.eval()
     gen = torch.Generator().manual_seed(seed)
     idx = torch.tensor([encode(prompt) or [0]], dtype=torch.long, device=device)
     out = generate(engine, idx, sample_tokens, temperature, top_k, gen)[0].tolist()
@@ -456,10 +450,6 @@ def main():
                                                  for k, v in comm.items()))
     if dist.is_initialized():
         dist.destroy_process_group()
-        # torch 2.13 on gloo, after non-reentrant activation checkpointing, sometimes aborts in interpreter
-        # teardown ("terminate called without an active exception"); all is written by now, so skip it
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -164,7 +164,8 @@ _GROUPS = {}   # (ranks, purpose, world, timeout) -> process group, made once pe
 CALLS = ("forward", "backward", "step", "full_state_dict", "load_state_dict", "save", "load")
 EVERY_RANK = ("Every rank must call forward (at stage 3, or with offload), backward, step, full_state_dict, "
               "load_state_dict, zero.save and zero.load together: evaluate and save on every rank, not on rank 0 "
-              "only; with Hugging Face's generate() at stage 3 pass synced_gpus=True")
+              "only, under conditions every rank agrees on (rank 0's loss, broadcast); with Hugging Face's "
+              "generate() at stage 3 pass synced_gpus=True")
 
 
 def _device(backend):
@@ -798,6 +799,30 @@ def _foreign_step(opt, args, kwargs):
 register_optimizer_step_pre_hook(_foreign_step)
 
 
+@atexit.register
+def _close_groups():
+    """At exit, before Python finalizes: what is in flight is waited for (briefly) and the engines' process groups
+    are destroyed, so that their gloo threads end now. A gloo thread drops a finished collective's tensors after
+    wait() returned, and dropping one that has a Python object once finalization began aborts the process
+    ("terminate called without an active exception", torch 2.13); a group left to the interpreter's teardown does."""
+    engines = list(_ENGINES)
+    try:
+        for w in [w for e in engines for u in e.units for w in u.works] + [w for e in engines for _, w in e.in_flight]:
+            w.wait(datetime.timedelta(seconds=5))
+    except RuntimeError:                    # a collective that failed or never ends: joining its thread could hang
+        return
+    for e in engines:
+        e.in_flight, e.net.groups = collections.deque(), {}
+        for u in e.units:
+            u.works = []
+    groups = list(_GROUPS.values())
+    _GROUPS.clear()
+    while groups:
+        with contextlib.suppress(Exception):   # a group the script destroyed already
+            dist.destroy_process_group(groups[-1])
+        del groups[-1]                      # its last reference: the group's threads are joined here
+
+
 class Zero:
     """Wraps a model: shards it in place into units, hooks its forward and backward, and steps AdamW on this
     rank's shard. Call it like the model (its other attributes and methods are the model's), then
@@ -1419,10 +1444,12 @@ class Zero:
         if self.micro >= cfg.accum_steps:
             raise RuntimeError(f"zero: backward() called {self.micro + 1} times without step(); "
                                f"Config.accum_steps={cfg.accum_steps}")
-        fn, d = getattr(loss, "grad_fn", None), None
-        if cfg.accum_steps > 1 and fn is not None and fn.name() == "DivBackward0":
+        fn, d = getattr(loss, "grad_fn", None), None  # DDP's habit, loss / accum_steps: divided twice, silently
+        if cfg.accum_steps > 1 and fn is not None and fn.name() in ("DivBackward0", "MulBackward0"):
             d = getattr(fn, "_saved_other", None)
-        if isinstance(d, torch.Tensor) and d.numel() == 1 and d.device.type == "cpu" and d.item() == cfg.accum_steps:
+            d = 1 / d if fn.name() == "MulBackward0" and isinstance(d, torch.Tensor) and d.numel() == 1 else d
+        if isinstance(d, torch.Tensor) and d.numel() == 1 and d.device.type == "cpu" and \
+                math.isclose(d.item(), cfg.accum_steps, rel_tol=1e-6):
             raise ValueError(f"zero: the loss is divided by accum_steps={cfg.accum_steps}: pass the plain mean loss "
                              "of the micro-batch; engine.backward divides by Config.accum_steps itself")
         self.net.agree("backward")
@@ -2034,8 +2061,9 @@ def _by_name(meta):
 
 def load(engine, path):
     """Restore a checkpoint into `engine` (every rank calls it): its own world size and stage, or any
-    other. Nothing in the engine changes unless every rank read everything it needs. Returns its meta.json,
-    with the script's `extra` given to save()."""
+    other. Nothing in the engine changes unless every rank read everything it needs. On as many ranks as saved
+    it, each rank's random state comes back too (dropout goes on as if never stopped; seed after load() for a
+    stream of your own). Returns its meta.json, with the script's `extra` given to save()."""
     engine.net.agree("load")
     engine._settle()
     got = {}
@@ -2081,6 +2109,12 @@ def load(engine, path):
         if "cuda_rng" in got["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(got["rng"]["cuda_rng"])
     return dict(meta, extra=got["extra"])
+
+
+def read_extra(path):
+    """The script's `extra` of a checkpoint, read without an engine (a script rebuilds its model from it first)."""
+    d, meta = _resolve(path)
+    return _Files(d, meta, [0])(0).get("extra")
 
 
 def _restore(engine, prepare, what, filled=None):

@@ -64,6 +64,17 @@ def _entry(fn, rank, world, port, args, results):
             dist.destroy_process_group()
 
 
+_ONCE = {}
+
+
+def _spawn_once(fn, world, *args):
+    # one spawn for several parametrized tests that read its results
+    key = (fn.__name__, world, args)
+    if key not in _ONCE:
+        _ONCE[key] = spawn(fn, world, *args)
+    return _ONCE[key]
+
+
 def spawn(fn, world, *args):
     """Run fn in `world` fresh processes; world 1 also gets a process of its own (no group)."""
     ctx = mp.get_context("spawn")
@@ -444,9 +455,12 @@ def _unused_case(rank, world, stage):
     return max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items()), norms
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_unused_parameters(stage):
-    for err, norms in spawn(_unused_case, 2, stage):
+def _unused_cases(rank, world):
+    return [_unused_case(rank, world, stage) for stage in (0, 2, 3)]
+
+
+def test_unused_parameters():
+    for err, norms in (x for r in spawn(_unused_cases, 2) for x in r):
         assert err < 1e-5
         # Adam is blind to a constant factor in the gradient: the norms show the mean over ranks is taken
         assert all(abs(a - b) <= 1e-5 * b for a, b in norms), norms
@@ -622,10 +636,12 @@ def _pass_through_case(rank, world, reuse, checkpoint):
                 units=units, peak=engine.peak_gathered_bytes)
 
 
-@pytest.mark.parametrize("reuse", [False, True])
-def test_stage3_gathers_each_unit_once_per_pass_whatever_the_blocks_pass_along(reuse):
-    for checkpoint in (False, True):
-        r = spawn(_pass_through_case, 2, reuse, checkpoint)[0]
+def _pass_through_cases(rank, world):
+    return {(reuse, ck): _pass_through_case(rank, world, reuse, ck) for reuse in (False, True) for ck in (False, True)}
+
+
+def test_stage3_gathers_each_unit_once_per_pass_whatever_the_blocks_pass_along():
+    for (reuse, checkpoint), r in spawn(_pass_through_cases, 2)[0].items():
         f = (2 - 1) / 2
         gathered = r["comm"]["all_gather"]["elements"]
         assert gathered <= (2 * r["psi"] - r["root"]) * f, (reuse, checkpoint, gathered / (r["psi"] * f))
@@ -1207,9 +1223,13 @@ def _overflow_case(rank, world, stage):
     return out
 
 
+def _overflow_cases(rank, world):
+    return {stage: _overflow_case(rank, world, stage) for stage in (0, 3)}
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_fp16_overflow_skips_on_every_rank(stage):
-    for seen in spawn(_overflow_case, 2, stage):
+    for seen in (r[stage] for r in _spawn_once(_overflow_cases, 2)):
         # hysteresis 1: each overflow skips and halves the scale; state untouched; then training goes on
         h1 = seen[1]
         assert [s[0] for s in h1] == [True, False, False, True]
@@ -1343,10 +1363,14 @@ def _disagree_case(rank, world, what):
     return "no error"
 
 
-@pytest.mark.parametrize("what,match", [("stage", "stage: rank 0 has 2, rank 1 has 3"), ("model", "params: rank 0 has")])
-def test_ranks_that_disagree_get_an_error_not_a_hang(what, match):
-    for msg in spawn(_disagree_case, 2, what):
-        assert match in msg and "same model and the same zero.Config" in msg, msg
+def _disagree_cases(rank, world):
+    return [_disagree_case(rank, world, what) for what in ("stage", "model")]
+
+
+def test_ranks_that_disagree_get_an_error_not_a_hang():
+    for msgs in spawn(_disagree_cases, 2):
+        for msg, match in zip(msgs, ("stage: rank 0 has 2, rank 1 has 3", "params: rank 0 has")):
+            assert match in msg and "same model and the same zero.Config" in msg, msg
 
 
 def test_estimate_reproduces_the_paper():
@@ -1523,11 +1547,15 @@ def _resume_case(rank, world, stage, dtype, ckpt):
     return straight, resumed, meta["step"]
 
 
+def _resume_cases(rank, world, dtype, root):
+    return [_resume_case(rank, world, stage, dtype, f"{root}{stage}") for stage in range(4)]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_checkpoint_resume_is_bit_exact(tmp_path, dtype):
+    res = spawn(_resume_cases, 2, dtype, str(tmp_path / dtype))
     for stage in range(4):
-        d = str(tmp_path / f"{dtype}{stage}")
-        for straight, resumed, step in spawn(_resume_case, 2, stage, dtype, d):
+        for straight, resumed, step in (r[stage] for r in res):
             assert step == 2
             assert straight[0].keys() == resumed[0].keys()
             for k in straight[0]:
@@ -1723,15 +1751,26 @@ def test_collectives_start_and_finish_during_backward():
             assert max(r["finish"]) >= 1, r     # finished while a unit's gradients had not come yet
 
 
-def test_offload_process_exits_cleanly_right_after_step():
-    """The update thread may still be running when the script ends: the process must exit 0."""
-    code = ("import torch, zero, test_zero as T; torch.set_num_threads(1)\n"
-            "e = zero.Zero(T.make_model(n_blocks=6, d=64, h=256), zero.Config(stage=2, offload=True))\n"
-            "x, y = T.make_batches(1, 4)\n"
-            "e.backward(e(x[0], y[0])['loss']); e.step()\n")
-    for _ in range(3):
-        p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr[-2000:]
+def test_processes_exit_cleanly(tmp_path):
+    """A user's script ends after a few steps, with no os._exit: the processes exit 0, however the gloo threads and
+    the offload thread stand at that moment (before, 10-30% of such runs aborted: "terminate called without an
+    active exception")."""
+    script = tmp_path / "user.py"
+    script.write_text("import sys, torch, torch.distributed as dist\n"
+                      f"sys.path.insert(0, {HERE!r})\n"
+                      "import zero, test_zero as T\n"
+                      "dist.init_process_group('gloo'); r = dist.get_rank()\n"
+                      "x, y = T.make_batches(2, 4)\n"
+                      "for stage, offload in ((0, False), (1, True), (2, False), (3, True), (3, False)):\n"
+                      "    e = zero.Zero(T.make_model(n_blocks=4), zero.Config(stage=stage, offload=offload))\n"
+                      "    for s in range(2):\n"
+                      "        e.backward(e(x[s, 2 * r:2 * r + 2], y[s, 2 * r:2 * r + 2])['loss']); e.step()\n"
+                      "    e(x[0, 2 * r:2 * r + 2], y[0, 2 * r:2 * r + 2])   # a forward left in flight at exit\n")
+    for _ in range(6):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(script)], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert p.returncode == 0 and "terminate called" not in p.stderr, p.stderr[-3000:]
 
 
 def _reversed_case(rank, world):
@@ -1854,9 +1893,11 @@ def test_train_gpt_trains_resumes_exactly_and_fine_tunes_from_its_weights(tmp_pa
     weights = str(tmp_path / "model.pt")
     subprocess.run([sys.executable, "zero.py", "consolidate", str(tmp_path / "a" / "ckpt"), weights], check=True,
                    cwd=HERE, capture_output=True)
-    tuned = run_train_gpt(run + [f"--out_dir={tmp_path / 'c'}", "--max_iters=2", f"--init_from={weights}"])
+    # (compiled, as nanoGPT runs on GPUs: inductor's fused kernels round a little differently)
+    tuned = run_train_gpt(run + [f"--out_dir={tmp_path / 'c'}", "--max_iters=2", f"--init_from={weights}",
+                                 "--compile=True"], timeout=300)
     assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
-    assert val_losses(tuned.stdout)[0] == val_losses(resumed.stdout)[-1], (tuned.stdout, resumed.stdout)
+    assert val_losses(tuned.stdout)[0] == pytest.approx(val_losses(resumed.stdout)[-1], abs=2e-4), tuned.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -2133,9 +2174,13 @@ def _staging_case(rank, world, stage):
     return ok, [sd[k] for k in ("extra.weight", "extra.bias")]
 
 
+def _staging_cases(rank, world):
+    return {stage: _staging_case(rank, world, stage) for stage in (1, 2, 3)}
+
+
 def test_offload_staging_keeps_parameters_without_a_gradient():
     for stage in (1, 2, 3):
-        for ok, extra in spawn(_staging_case, 2, stage):
+        for ok, extra in (r[stage] for r in spawn(_staging_cases, 2)):
             assert ok == [True, True], (stage, ok)
             assert all(torch.equal(t, torch.full_like(t, 0.25)) for t in extra), (stage, extra)
 
@@ -2176,7 +2221,7 @@ def _many_ranks_cases(rank, world):
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_4_and_8_ranks_train_at_every_stage(world):
-    res = spawn(_many_ranks_cases, world)
+    res = spawn(_many_ranks_cases, world) if world == 4 else [r["many"] for r in _spawn_once(_eight_ranks, 8, EIGHT)]
     refs = {a: reference(STEPS, 16 * a, zero.Config(lr=LR), shift=True) for a in (1, 2)}
     for case, r in res[0].items():
         _check_parity(r, "fp32", refs[case[1]], f"{world} ranks, stage/accum/offload {case}",
@@ -2319,14 +2364,15 @@ class FrozenProbe(Probe):
         self.now = held
 
 
-LORA = [(s, d, a, off) for s in range(4) for d in ("fp32", "bf16") for a, off in ((1, False), (2, False))] \
+LORA = [(s, "fp32", 1, False) for s in range(4)] + [(s, "bf16", 2, False) for s in range(4)] \
     + [(s, "bf16", 2, True) for s in (1, 2, 3)]
+LORA8 = [(2, "bf16", 1, False), (3, "fp32", 1, False), (3, "bf16", 2, True)]   # bytes at 8 ranks
 
 
 def _lora_cases(rank, world, ckpt):
     out = {}
     warnings.simplefilter("always")
-    for stage, dtype, accum, offload in LORA:
+    for stage, dtype, accum, offload in LORA if world == 2 else LORA8:
         with warnings.catch_warnings(record=True) as w:
             engine = zero.Zero(lora(), zero.Config(stage=stage, dtype=dtype, lr=LR, accum_steps=accum,
                                                     offload=offload))
@@ -2352,10 +2398,19 @@ def _lora_load(rank, world, ckpt):
     return engine.full_state_dict()
 
 
+def _eight_ranks(rank, world, ckpt):
+    # the cases that need 8 ranks, in one spawn of them: training at every stage, a LoRA's frozen bytes, reductions
+    return dict(many=_many_ranks_cases(rank, world), lora=_lora_cases(rank, world, ckpt),
+                reduce=_reduce_cases(rank, world))
+
+
+EIGHT = os.path.join(__import__("tempfile").gettempdir(), f"zero_test_8ranks_{os.getpid()}")
+
+
 @pytest.mark.parametrize("world", [2, 8])
 def test_lora_frozen_base_sharded_at_stage_3(tmp_path, world):
-    ckpt = str(tmp_path / "ck")
-    res = spawn(_lora_cases, world, ckpt)
+    ckpt = str(tmp_path / "ck") if world == 2 else EIGHT
+    res = spawn(_lora_cases, world, ckpt) if world == 2 else [r["lora"] for r in _spawn_once(_eight_ranks, 8, EIGHT)]
     init = lora().state_dict()
     frozen = [k for k, p in lora().named_parameters() if not p.requires_grad]
     for case, r in res[0].items():
@@ -2432,13 +2487,12 @@ def _reduce_cases(rank, world):
     out = {}
     for red in ("", "fp32"):
         cfg = zero.Config(stage=2, dtype="bf16", reduce_dtype=red, lr=LR, accum_steps=4)
-        r = train(rank, world, cfg, STEPS, 32, dict(d=32, h=64))
-        out[red] = dict(r, mem=r["mem"])
-    return out if rank == 0 else None
+        out[red] = train(rank, world, cfg, STEPS, 32, dict(d=32, h=64))
+    return out
 
 
 def test_fp32_reductions_are_closer_to_fp32():
-    res = spawn(_reduce_cases, 8)[0]
+    res = _spawn_once(_eight_ranks, 8, EIGHT)[0]["reduce"]
     ref = reference(STEPS, 32, zero.Config(lr=LR), d=32, h=64)
     ref16 = reference16(STEPS, 32, 8, zero.Config(dtype="bf16", lr=LR), accum=4, d=32, h=64)
     init = make_model(d=32, h=64).state_dict()

@@ -113,7 +113,10 @@ def build(name, dtype, model, world, **extra):
     amp = torch.autocast("cpu", torch.bfloat16) if dtype == "bf16" else nullcontext()
     if name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:     # torch 2.4 has FSDP2 under its first, private name
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh("cpu", (world,))
         mpp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bf16" else MixedPrecisionPolicy()
         for b in model.blocks:  # the same units as zero.py's

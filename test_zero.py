@@ -1928,7 +1928,10 @@ def test_bench_quick_runs():
     for title in ("Model-state memory", "Communication per step", "Throughput", "CPU AdamW", "Activation memory",
                   "Offload"):
         assert title in r.stdout, title
-    assert "failed" not in r.stdout.split("### 3.")[0], r.stdout[:3000]   # zero.py's own rows all ran
+    ours = [ln for ln in r.stdout.split("### 3.")[0].splitlines() if ln.startswith("| zero")]
+    assert len(ours) >= 8 and not any("failed" in ln for ln in ours), r.stdout[:3000]   # zero.py's own rows all ran
+    if torch.__version__ >= "2.6":      # the peers too (torch 2.4's FSDP2 needs CUDA)
+        assert "failed" not in r.stdout.split("### 3.")[0], r.stdout[:3000]
 
 
 def test_stage3_prefetches_the_next_unit():
@@ -2684,6 +2687,13 @@ def test_a_ddp_script_ported_in_a_few_lines(tmp_path):
 # torch.compile: the engine's hooks are opaque to Dynamo, so graphs break where a unit begins or ends (and
 # around the root's modules, which start a forward) and the blocks in between are compiled
 
+def _op_names(g):   # torch < 2.5 keeps module calls as call_module nodes; later releases inline them as functions
+    as_fn = {"LayerNorm": "layer_norm", "Linear": "linear", "Dropout": "dropout", "Embedding": "embedding"}
+    return [as_fn.get(type(g.get_submodule(n.target)).__name__, str(n.target)) if n.op == "call_module"
+            else getattr(n.target, "__name__", str(n.target)) for n in g.graph.nodes if n.op in ("call_function",
+                                                                                           "call_module")]
+
+
 def _compile_case(rank, world):
     out = {}
     for stage in range(4):
@@ -2703,8 +2713,7 @@ def _compile_case(rank, world):
                 e.step()
                 losses.append(loss.item())
         explain = torch._dynamo.explain(engine.module)(x[0, sl], y[0, sl])
-        graphs = [[getattr(n.target, "__name__", str(n.target)) for n in g.graph.nodes if n.op == "call_function"]
-                  for g in explain.graphs]
+        graphs = [_op_names(g) for g in explain.graphs]
         out[stage] = dict(losses=losses, breaks=explain.graph_break_count, graphs=graphs,
                           names=list(engine.full_state_dict()))
     return out
@@ -2714,7 +2723,12 @@ def test_torch_compile_breaks_graphs_only_at_units():
     for stage, r in spawn(_compile_case, 2)[0].items():
         assert r["losses"][0::2] == r["losses"][1::2], (stage, r["losses"])  # compiled and eager, bit for bit
         assert not any(n.startswith("_orig_mod") for n in r["names"]), r["names"]   # the model's own names
-        # one graph per piece between hooks: the embedding, a block (compiled once, for all three), the final
-        # norm, the head; a graph break at each unit (and root module) boundary, none inside a block
-        assert r["breaks"] <= 3 and len(r["graphs"]) == 4, (stage, r["breaks"], r["graphs"])
-        assert ["layer_norm", "linear", "gelu", "linear"] == [n for n in r["graphs"][1] if n != "dropout"][:4], r
+        # a graph break at each unit (and root module) boundary, none inside a block: every block is one graph
+        blocks = [g for g in r["graphs"] if "gelu" in g]
+        assert r["breaks"] <= 3 and blocks, (stage, r["breaks"], r["graphs"])
+        want = ["layer_norm", "linear", "gelu", "linear"]
+        assert all(want == [n for n in g if n != "dropout"][:4] for g in blocks), (stage, r["graphs"])
+        if torch.__version__ >= "2.5":   # modules inlined: the embedding, one block graph for all three, norm, head
+            assert len(r["graphs"]) == 4 and len(blocks) == 1, (stage, r["graphs"])
+        else:                            # torch 2.4 compiles each block on its own and the root's pieces not at all
+            assert len(blocks) == 3, (stage, r["graphs"])

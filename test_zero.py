@@ -1922,12 +1922,14 @@ def test_train_gpt_bad_input_is_one_line(tmp_path, args, message):
 
 def test_bench_quick_runs():
     """bench.py --quick as a smoke test: it runs and prints its tables (timings are not asserted)."""
-    r = subprocess.run([sys.executable, "bench.py", "--quick"], cwd=HERE, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "bench.py", "--quick", "--baseline", "zero.py"], cwd=HERE, text=True,
+                       capture_output=True,
                        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for title in ("Model-state memory", "Communication per step", "Throughput", "CPU AdamW", "Activation memory",
                   "Offload"):
         assert title in r.stdout, title
+    assert "| zero3 / base3 |" in r.stdout and "report_tput failed" not in r.stdout, r.stdout   # --baseline's rows
     ours = [ln for ln in r.stdout.split("### 3.")[0].splitlines() if ln.startswith("| zero")]
     assert len(ours) >= 8 and not any("failed" in ln for ln in ours), r.stdout[:3000]   # zero.py's own rows all ran
     if torch.__version__ >= "2.6":      # the peers too (torch 2.4's FSDP2 needs CUDA)

@@ -793,12 +793,12 @@ class Zero:
             o = owners.get(id(p), ())
             members[next(iter(o)) if len(o) == 1 else -1].append((n, p))
         net, unit_of, self.units = self.net, {}, []
+        shards, shard_rank = (net.shards, net.shard_rank) if self.shards_optim else (self.world, self.rank)
         for m, ps in zip(unit_modules + [self.module], members):
             # trainable and frozen parameters in flat buffers of their own: frozen ones are gathered, never reduced
-            flats = [Flat(part, tr, net.shards if cfg.stage else self.world, net.shard_rank if cfg.stage else
-                          self.rank, self.shards_params or (tr and self.shards_optim)) for tr, part in
-                     ((True, [x for x in ps if x[1].requires_grad]), (False, [x for x in ps if not x[1].requires_grad]))
-                     if part]
+            flats = [Flat(part, tr, shards, shard_rank, self.shards_params or (tr and self.shards_optim))
+                     for tr, part in ((True, [x for x in ps if x[1].requires_grad]),
+                                      (False, [x for x in ps if not x[1].requires_grad])) if part]
             if flats:                       # a block without parameters is no unit
                 unit_of[id(m)] = Unit(len(self.units), m, self.names.get(id(m)) or "root", flats)
                 self.units.append(unit_of[id(m)])
@@ -991,7 +991,7 @@ class Zero:
             if f.trainable:
                 f.master = None if self.master_is_param else self._state("master", n, src=owned)
                 f.exp_avg, f.exp_avg_sq = self._state("exp_avg", n), self._state("exp_avg_sq", n)
-                if cfg.stage <= 1:          # the whole gradient stays; stage 1 owns a slice of it
+                if not self.shards_grads:   # the whole gradient stays; stage 1 owns a slice of it
                     f.grad = torch.zeros(f.padded, dtype=self.grad_dtype, device=self.device)
                     f.grad_shard = f.grad[f.lo:f.hi]
                 if self.shards_grads or cfg.offload:
@@ -1243,7 +1243,7 @@ class Zero:
     def _launch_ready(self, end=False):
         # in launch order, each unit once the backward schedule is past it (end: all the rest), as on every rank;
         # stage 0 all-reduces in the last micro-batch's backward, stage 1 reduce-scatters in step(), 2-3 every time
-        while (self.shards_grads or self.cfg.stage == 0 and self.micro == self.cfg.accum_steps - 1) and \
+        while (self.shards_grads or not self.shards_optim and self.micro == self.cfg.accum_steps - 1) and \
                 self.launch_next < len(self.launch_order):
             u = self.launch_order[self.launch_next]
             if not end and (u.keep or u.rpos is None or u.rpos >= self.done_to):
@@ -1262,7 +1262,7 @@ class Zero:
         g[f.numel:].zero_()
         f.grad, f.written, u.reduced = g, set(range(len(f.params))), True
         g.mul_(1.0 / (self.world * self.cfg.accum_steps))   # the mean, before the sum: fp16 cannot overflow in it
-        work = self.net.all_reduce(g, "reduce", kind="all_reduce", sync=False, tag=u.index) if self.cfg.stage == 0 \
+        work = self.net.all_reduce(g, "reduce", kind="all_reduce", sync=False, tag=u.index) if not self.shards_optim \
             else self.net.reduce_scatter(g[f.lo:f.hi], g, sync=False, tag=u.index)
         self.in_flight.append((u, work))
         self._drain(2 if self.shards_grads else len(self.in_flight))
@@ -1366,7 +1366,7 @@ class Zero:
                                "zero.Zero(model) and freeze them after (a frozen parameter is left untouched)")
         self.net.agree("step")
         self.micro = 0
-        for u in self.launch_order if cfg.stage == 1 else ():   # stage 1 reduce-scatters once, now
+        for u in self.launch_order if self.shards_optim and not self.shards_grads else ():   # stage 1: once, now
             self._reduce(u)
         self._drain()
         self._settle()

@@ -519,30 +519,6 @@ def routed_batches(steps, world, per, seq=6, vocab=16, seed=4):
     return data[..., :-1], data[..., 1:]
 
 
-def routed_reference(steps, world, per, accum, skip, lr=LR):
-    torch.manual_seed(0)
-    model = Routed(skip=skip)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    xs, ys = routed_batches(steps, world, per)
-    losses, norms, mb = [], [], per // accum
-    for s in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for r in range(world):
-            for m in range(accum):
-                sl = slice(r * per + m * mb, r * per + (m + 1) * mb)
-                loss = model(xs[s, sl], ys[s, sl])
-                (loss / (world * accum)).backward()
-                total += loss.item() / (world * accum)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        opt.step()
-        losses.append(total)
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _routed_cases(rank, world, cases, steps, per):
     out = {}
     for stage, dtype, accum, offload, skip in cases:
@@ -576,7 +552,8 @@ ROUTED = [(s, d, a, False, False) for s in range(4) for d in ("fp32", "bf16") fo
 def test_experts_and_skipped_blocks_that_differ_between_ranks_train_exactly():
     steps, per = 4, 4
     res = spawn(_routed_cases, 2, ROUTED, steps, per)[0]
-    refs = {(a, sk): routed_reference(steps, 2, per, a, sk) for a in (1, 2) for sk in (False, True)}
+    refs = {(a, sk): reference_run(lambda: Routed(skip=sk), routed_batches, steps, 2, per, a)
+            for a in (1, 2) for sk in (False, True)}
     torch.manual_seed(0)
     init = Routed().state_dict()
     # expert 3 of every block got no token in step 0: the reference's AdamW skipped it then

@@ -550,9 +550,8 @@ class Unit:
         self.params = [p for f in flats for p in f.params]
         self.phase, self.works = WHOLE, []  # where the buffers stand; their all-gathers in flight
         self.keep = False                   # a parameter used outside the unit's forward: whole until backward ends
-        self.pos = self.rpos = None         # places in the forward and backward schedules (rpos None: no backward)
         self.grad_out = None                # its forward made an output that requires grad (None: never ran)
-        self.calls = self.posts = 0         # this micro-batch: forwards with a backward to come / backwards done
+        self.call = None                    # the schedule's node of its running call (None: out of a forward)
         self.reduced = False                # this micro-batch's gradient collective was launched
         self.updated = threading.Event()    # offload: the host update of this unit is done
         self.updated.set()
@@ -588,14 +587,14 @@ class _PostBackward(torch.autograd.Function):
     unit's own backward is done (FSDP2's post-backward signal): its reduction may launch, its memory go."""
 
     @staticmethod
-    def forward(ctx, engine, unit, *xs):
-        ctx.engine, ctx.unit = engine, unit
+    def forward(ctx, engine, unit, key, *xs):
+        ctx.engine, ctx.unit, ctx.key = engine, unit, key
         return xs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine._post_backward(ctx.unit)
-        return (None, None, *grads)
+        ctx.engine._post_backward(ctx.unit, ctx.key)
+        return (None, None, None, *grads)
 
 
 # torch calls that read no values of a tensor
@@ -628,21 +627,90 @@ class _Sharded(nn.Parameter):
         return _PLAIN(func, types, args, kwargs or {})
 
 
-def _merge_orders(seqs, units):
-    """An order of `units` (indices) consistent with each rank's observed order of them (a part of the true one
-    where ranks skip different blocks): ties, and units no rank ran, by index; `units` where they clash."""
-    after, before = {u: set() for u in units}, dict.fromkeys(units, 0)
+def _merge(seqs, extra=()):
+    """One order of the nodes (segment, occurrence, unit) of every rank's calls, consistent with each rank's own
+    order (a part of the true one where ranks skip different calls); ties, and `extra` nodes nobody ran, by the
+    node itself; rank 0's order where the orders clash (a cycle)."""
+    nodes = list(dict.fromkeys([x for s in seqs for x in s] + list(extra)))
+    after, before = {x: set() for x in nodes}, dict.fromkeys(nodes, 0)
     for a, b in {(a, b) for s in seqs for a, b in zip(s, s[1:])}:
         after[a].add(b)
         before[b] += 1
-    ready, out = [u for u in units if not before[u]], []
+    ready, out = [x for x in nodes if not before[x]], []
+    heapq.heapify(ready)
     while ready:
         out.append(heapq.heappop(ready))
         for b in after[out[-1]]:
             before[b] -= 1
             if not before[b]:
                 heapq.heappush(ready, b)
-    return out if len(out) == len(units) else list(units)
+    return out if len(out) == len(nodes) else list(dict.fromkeys(list(seqs[0]) + nodes))
+
+
+END = 1 << 30                               # a segment's end node sorts after its calls
+
+
+class Schedule:
+    """The one order of a micro-batch's gathers and reductions, the same on every rank whatever the data.
+
+    A place is one call of a unit: the k-th call of unit u in the s-th forward of a micro-batch is the node
+    (s, k, u), and `places` lists them in the order the forwards run them (a unit called twice has two places;
+    two forwards before one backward are two segments). Forwards walk their segment, the backward walks the
+    places in reverse (`back`): place by place, the unit there is gathered (at stage 3; one this rank did not
+    call, in its turn, as the ranks that called it gather it), and once the backward is past a unit's last place
+    its reduction may launch, in `launch` order. The invariant: every rank launches the same collectives in the
+    same order, so that every wait is for a collective every rank has launched. The first backward learns the
+    places from every rank's calls (before it: each unit once, in the order registered)."""
+
+    def __init__(self, units, segments, without=frozenset(), keep=frozenset()):
+        self.places, self.node, self.ends = [], {}, []
+        for s, seg in enumerate(segments):
+            seen = collections.Counter()
+            for u in seg:
+                self.node[(s, seen[u.index], u.index)] = len(self.places)
+                seen[u.index] += 1
+                self.places.append(u)
+            self.ends.append(len(self.places))
+        # backward places (forward places in reverse), without units whose forward made nothing requiring grad
+        self.back = [j for j in reversed(range(len(self.places))) if self.places[j].index not in without]
+        self.bpos = {j: k for k, j in enumerate(self.back)}
+        last = {self.places[j].index: k for k, j in enumerate(self.back)}   # a unit's last backward place
+        self.keep = frozenset(keep)         # units whole from their forward to the end of the backward
+        first = sorted((u for u in units if u.train and u.index in last and u.index not in self.keep),
+                       key=lambda u: last[u.index])
+        self.launch = first + [u for u in units if u.train and u not in first]
+        self.last = {u.index: (last[u.index] if u in first else None) for u in self.launch}
+        self.order = list(dict.fromkeys(self.places))   # units, as first called
+        self.start_backward()
+
+    def start_backward(self):
+        self.done = self.gathered = self.launched = 0   # backward places done / gathered; units launched
+        self.in_flight = collections.deque()            # (unit, work) of reductions launched, not yet waited for
+
+    def next_launch(self, end):
+        # the next unit to reduce, once the backward is past its last place (end: all the rest)
+        if self.launched < len(self.launch):
+            u = self.launch[self.launched]
+            if end or (self.last[u.index] is not None and self.last[u.index] < self.done):
+                self.launched += 1
+                return u
+        return None
+
+
+class Walk:
+    """A forward's progress along its segment of the schedule (an evaluation forward's: along the first)."""
+
+    def __init__(self, sched, seg):
+        self.seg, self.count = seg, collections.Counter()   # this forward's calls of each unit so far
+        self.pos = sched.ends[seg - 1] if 0 < seg <= len(sched.ends) else 0
+        self.end = sched.ends[seg] if seg < len(sched.ends) else self.pos   # a segment past the schedule: empty
+
+    def place(self, sched, u):
+        # the place of u's next call in this segment: None out of turn (called more often, or already passed)
+        key = (self.seg, self.count[u.index], u.index)
+        self.count[u.index] += 1
+        j = sched.node.get(key)
+        return key, (j if j is not None and self.pos <= j < self.end else None)
 
 
 # -----------------------------------------------------------------------------
@@ -721,12 +789,14 @@ def _close_groups():
     # aborts the process ("terminate called without an active exception"), as groups left to the teardown did
     engines = list(_ENGINES)
     try:
-        for w in [w for e in engines for u in e.units for w in u.works] + [w for e in engines for _, w in e.in_flight]:
-            w.wait(datetime.timedelta(seconds=5))
+        for w in [w for e in engines for u in e.units for w in u.works] + [w for e in engines for _, w in
+                                                                          e.sched.in_flight]:
+            if w is not None:               # (one rank: nothing was launched)
+                w.wait(datetime.timedelta(seconds=5))
     except RuntimeError:                    # a collective that failed or never ends: joining its thread could hang
         return
     for e in engines:
-        e.in_flight, e.net.groups = collections.deque(), {}
+        e.sched.in_flight, e.net.groups = collections.deque(), {}
         for u in e.units:
             u.works = []
     groups = list(_GROUPS.values())
@@ -766,10 +836,9 @@ class Zero:
         self.depth = 0                              # modules outside the units now running, one inside the other
         self.last_ran = None                        # the unit whose forward ran last
         self.ran = []                               # units whose forward ran since the last step, in order
-        self.cursor = [0, 0]                        # the next place to gather in the forward / backward schedule
-        self.done_to = 0                            # backward schedule places whose backward is over
-        self.launch_next = 0                        # the next unit of launch_order to reduce
-        self.in_flight = collections.deque()        # (unit, work) of launched reductions not yet waited for
+        self.calls = []                             # this micro-batch's calls with a backward to come: nodes
+        self.walk = None                            # the running forward's progress along the schedule
+        self.segments = 0                           # forwards with a backward to come since the last backward
         self.learned = self.checked = False         # the first backward learned the order; the first forward ran
         self.worker = None                          # the offload thread
         self.unfilled = set()                       # names built on the meta device that nothing initialized
@@ -804,7 +873,8 @@ class Zero:
                 self.units.append(unit_of[id(m)])
         self.root = unit_of.get(id(self.module))
         self.owned = {id(p) for u in self.units for p in u.params}
-        self._schedule([u for u in self.units if u is not self.root], {u.index for u in self.units})
+        self.order = [u for u in self.units if u is not self.root]   # the blocks, as registered
+        self.sched = Schedule(self.units, [self.order])
         self.optimizer = self._make_optimizer(param_groups, optimizer)
         self._check_ranks_agree()           # before the first collective that depends on the layout
 
@@ -839,16 +909,6 @@ class Zero:
         self.worker = HostWorker(self.device, cfg.timeout_s) if cfg.offload else None
         self.ledger_reset()
         _ENGINES.add(self)
-
-    def _schedule(self, order, needs):
-        # the schedules, the same on every rank: forwards gather the blocks in `order`, backwards those in `needs`
-        # in reverse; reductions launch in backward order, then the units that stay whole and the root
-        self.order, self.rorder = order, [u for u in reversed(order) if u.index in needs]
-        for u in self.units:
-            u.pos = next((j for j, v in enumerate(order) if v is u), None)
-            u.rpos = next((j for j, v in enumerate(self.rorder) if v is u), None)
-        first = [u for u in self.rorder if u.train and not u.keep]
-        self.launch_order = first + [u for u in self.units if u.train and u not in first]
 
     def _make_optimizer(self, param_groups, optimizer):
         """torch's param groups, each parameter's group recorded in its flat buffer; parameters in none take
@@ -1079,7 +1139,7 @@ class Zero:
 
     def _mark(self, u, freed):
         # a parameter of a unit not WHOLE is a _Sharded: a read is then an error or a gather, never a crash
-        for p in u.params if self.shards_params or not freed else u.train.params:
+        for p in u.params if self.shards_params or not freed else u.train.params if u.train else ():
             if type(p) in (nn.Parameter, _Sharded):
                 p.__class__ = _Sharded if freed else nn.Parameter
 
@@ -1088,43 +1148,51 @@ class Zero:
         if self.shards_params and u.phase == WHOLE and not u.keep and u is not self.root:
             self._reshard(u)
 
-    def _take(self, u, back):
-        # u's place in a schedule: gathered, and the next unit's gather started to travel while u computes (with
-        # offload only once the host update is done with it: waiting here would undo the overlap)
-        order = self.rorder if back else self.order
+    def _take(self, u, nxt, back):
+        # u gathered, and the next unit's gather started to travel while u computes (with offload only once the
+        # host update is done with it: waiting here would undo the overlap)
         self._unshard(u)
-        self.cursor[back] = (u.rpos if back else u.pos) + 1
-        nxt = order[self.cursor[back]] if self.cursor[back] < len(order) else None
-        if nxt is not None and self.cfg.prefetch and (back or self.gathers_lazily) and nxt.updated.is_set():
+        if nxt is not None and nxt is not u and self.cfg.prefetch and (back or self.gathers_lazily) and \
+                nxt.updated.is_set():
             self._unshard(nxt, wait=False)
 
-    def _forward_to(self, u):
-        """The forward's gather schedule: every unit before u that this rank did not run is gathered (and freed)
-        in its turn, as the ranks that run it gather it; then u (None: to the end of the schedule).
+    def _forward_to(self, w, j):
+        """A forward's walk along its segment up to place j (None: to its end): every place before j that this
+        rank did not call is gathered (and freed) in its turn, as the ranks that call it gather it; then j's.
 
         Blocks A, B, C, and rank 1 skips B: rank 0 gathers A, B, C as each starts (each prefetching the next);
         rank 1 gathers A, then, as C starts, B (freed at once) and C: the same gathers in the same order. In the
         backward both gather C, B, A the same way, rank 1 reducing B's zeros in B's turn."""
-        while self.cursor[0] < (len(self.order) if u is None else u.pos):
-            v = self.order[self.cursor[0]]
-            self._take(v, 0)
-            self._release(v)
-        if u is not None:
-            self._take(u, 0) if self.cursor[0] == u.pos else self._unshard(u)   # out of turn: a unit run again
+        places = self.sched.places
+        at = lambda p: places[p] if p < w.end else None   # noqa: E731
+        while w.pos < (w.end if j is None else j):
+            u = places[w.pos]
+            self._take(u, at(w.pos + 1), False)
+            w.pos += 1
+            if at(w.pos) is not u:
+                self._release(u)
+        if j is not None:
+            self._take(places[j], at(j + 1), False)
+            w.pos = j + 1
 
-    def _backward_to(self, place, gather=False):
-        """The backward schedule up to `place`: every unit before it is done (its reduction may launch, its memory
-        go; one this rank skipped is gathered in its turn first, as the ranks that ran it gathered it); with
-        gather, the unit at `place` is gathered too and the next one's gather starts."""
-        while self.done_to < place:
-            v = self.rorder[self.done_to]
-            if self.shards_params and self.cursor[1] <= v.rpos:
-                self._take(v, 1)
-            self.done_to += 1
+    def _backward_to(self, k, gather=False):
+        """The backward's walk up to backward place k: every place before it is done (a unit past its last place
+        may launch its reduction; one this rank did not call is gathered in its turn first, as the ranks that
+        called it gathered it); with gather, the unit at k is gathered too and the next one's gather starts."""
+        s = self.sched
+        at = lambda k: s.places[s.back[k]] if k < len(s.back) else None   # noqa: E731
+        while s.done < k:
+            u = at(s.done)
+            if self.shards_params and s.gathered <= s.done:
+                self._take(u, at(s.done + 1), True)
+                s.gathered = s.done + 1
+            s.done += 1
             self._launch_ready()
-            self._release(v)
-        if gather and self.shards_params and self.cursor[1] <= place < len(self.rorder):
-            self._take(self.rorder[place], 1)
+            if at(s.done) is not u:         # the same unit next: it stays whole
+                self._release(u)
+        if gather and self.shards_params and s.gathered <= k < len(s.back):
+            self._take(at(k), at(k + 1), True)
+            s.gathered = k + 1
 
     # -- forward hooks: opaque to torch.compile, whose graphs break where a unit begins or ends
 
@@ -1141,7 +1209,12 @@ class Zero:
             self.net.agree("forward")
         if self.last_ran is not None:       # a block called on its own since the last forward
             self._release(self.last_ran)
-        self.cursor[0], self.last_ran = 0, None
+        self.last_ran = None
+        # a forward with a backward to come walks its segment; one without (evaluation, a metric, a teacher),
+        # the first segment, leaving the training walk where it was
+        grad = torch.is_grad_enabled()
+        self.walk = Walk(self.sched, self.segments if grad else 0)
+        self.segments += grad
         for u in self.units:                # the root and escaped units stay whole through the backward; in the
             if u is self.root or u.keep:    # first forward the others are _Sharded while they do not run, so that
                 self._unshard(u)            # a parameter used out of its block is seen (see _Sharded)
@@ -1156,9 +1229,12 @@ class Zero:
         if self.last_ran is not None:
             self._release(self.last_ran)
             self.last_ran = None
-        self._forward_to(None)              # units after the last one this rank ran
+        self._forward_to(self.walk, None)   # places after the last one this rank called
+        self.walk = None
+        pending = bool(self.calls)          # a backward is to come: what it needs stays whole
         for u in self.units:
-            if u.phase == WHOLE and self.shards_params and not torch.is_grad_enabled():
+            if u.phase == WHOLE and self.shards_params and not torch.is_grad_enabled() and not (
+                    pending and (u is self.root or u.keep)):
                 self._reshard(u)            # no backward follows (evaluation, generation)
             elif u.phase == WHOLE and not self.checked:
                 self._mark(u, False)        # the first forward's marks go
@@ -1168,14 +1244,16 @@ class Zero:
     def _pre_forward(self, u, module, args, kwargs):
         if self.last_ran is not None and self.last_ran is not u:
             self._release(self.last_ran)    # freed once another unit starts: a unit run twice in a row stays
-        self._forward_to(u)
+        key, j = self.walk.place(self.sched, u) if self.walk is not None else (None, None)   # None: a block
+        self._forward_to(self.walk, j) if j is not None else self._unshard(u)   # called alone; out of turn
         self._mark(u, False)
-        self.last_ran = u
+        self.last_ran, u.call = u, key
         self.ran.append(u.index)
         xs = [t for t in _tensors((args, kwargs)) if t.requires_grad] if torch.is_grad_enabled() else []
-        if xs:                              # their backward ends u's backward: _PostBackward says when
-            u.calls += 1
-            ys = dict(zip(map(id, xs), _PostBackward.apply(self, u, *xs)))
+        if torch.is_grad_enabled() and key is not None:
+            self.calls.append(key)
+        if xs:                              # their backward ends this call's backward: _PostBackward says when
+            ys = dict(zip(map(id, xs), _PostBackward.apply(self, u, key, *xs)))
             return _tree_map(lambda t: ys.get(id(t), t), (args, kwargs))
 
     @torch.compiler.disable
@@ -1187,13 +1265,14 @@ class Zero:
         outs, inputs = _tensors(output), {id(t) for t in _tensors((args, kwargs))}
         u.grad_out = bool(u.grad_out) or any(t.requires_grad for t in outs)
         storages = {f.flat.untyped_storage().data_ptr() for f in u.flats}
+        key = u.call
         for t in outs if self.shards_params else ():
             if t.untyped_storage().data_ptr() in storages:
                 u.keep = True               # a parameter returned to the caller: whole until its backward is done
             elif t.requires_grad and id(t) not in inputs:
-                # gathered again just before this unit's backward (and recompute); a tensor it only passed along is
-                # not hooked: its gradient says nothing about this unit's backward
-                t.register_hook(functools.partial(self._pre_backward, u))
+                # gathered again just before this call's backward (and recompute); a tensor it only passed along
+                # is not hooked: its gradient says nothing about this unit's backward
+                t.register_hook(functools.partial(self._pre_backward, u, key))
 
     # -- backward
 
@@ -1203,21 +1282,23 @@ class Zero:
                                "scaler.scale(loss).backward()): call engine.backward(loss), which reduces the "
                                "gradients, and engine.step() (or the optimizer given to zero.Zero) for the update")
 
-    @torch.compiler.disable
-    def _pre_backward(self, u, grad):
-        # u's backward (or its recompute) starts: it must be whole, and the schedule past the units before it
-        self._refuse_outside()
-        if u.rpos is None:                  # not in the backward schedule: out of turn, the same on every rank
-            self._unshard(u)
-        elif u.rpos >= self.done_to:
-            self._backward_to(u.rpos, gather=True)
+    def _back_place(self, key):
+        # the backward place of the call `key`; None: out of turn (not in the schedule, or already passed)
+        k = self.sched.bpos.get(self.sched.node.get(key)) if key is not None else None
+        return k if k is not None and k >= self.sched.done else None
 
-    def _post_backward(self, u):
-        # u's backward is done once every forward call's is: the schedule moves past it
+    @torch.compiler.disable
+    def _pre_backward(self, u, key, grad):
+        # a call's backward (or its recompute) starts: u must be whole, and the schedule past the places before it
         self._refuse_outside()
-        u.posts += 1
-        if u.posts == u.calls:
-            self._backward_to(u.rpos + 1) if u.rpos is not None else self._release(u)
+        k = self._back_place(key)
+        self._backward_to(k, gather=True) if k is not None else self._unshard(u)
+
+    def _post_backward(self, u, key):
+        # a call's backward is done: the schedule moves past its place
+        self._refuse_outside()
+        k = self._back_place(key)
+        self._backward_to(k + 1) if k is not None else None
 
     def _on_grad(self, u, i, p):
         # autograd's .grad is a fresh tensor per parameter: moved into the flat gradient at once, one copy stays,
@@ -1244,11 +1325,7 @@ class Zero:
         # in launch order, each unit once the backward schedule is past it (end: all the rest), as on every rank;
         # stage 0 all-reduces in the last micro-batch's backward, stage 1 reduce-scatters in step(), 2-3 every time
         while (self.shards_grads or not self.shards_optim and self.micro == self.cfg.accum_steps - 1) and \
-                self.launch_next < len(self.launch_order):
-            u = self.launch_order[self.launch_next]
-            if not end and (u.keep or u.rpos is None or u.rpos >= self.done_to):
-                return
-            self.launch_next += 1
+                (u := self.sched.next_launch(end)) is not None:
             self._reduce(u)
 
     def _reduce(self, u):
@@ -1264,13 +1341,13 @@ class Zero:
         g.mul_(1.0 / (self.world * self.cfg.accum_steps))   # the mean, before the sum: fp16 cannot overflow in it
         work = self.net.all_reduce(g, "reduce", kind="all_reduce", sync=False, tag=u.index) if not self.shards_optim \
             else self.net.reduce_scatter(g[f.lo:f.hi], g, sync=False, tag=u.index)
-        self.in_flight.append((u, work))
-        self._drain(2 if self.shards_grads else len(self.in_flight))
+        self.sched.in_flight.append((u, work))
+        self._drain(2 if self.shards_grads else len(self.sched.in_flight))
 
     def _drain(self, keep=0):
         # the oldest reductions in flight waited for, all but `keep`
-        while len(self.in_flight) > keep:
-            self._finish_reduce(*self.in_flight.popleft())
+        while len(self.sched.in_flight) > keep:
+            self._finish_reduce(*self.sched.in_flight.popleft())
 
     def _finish_reduce(self, u, work):
         self.net.wait(work)
@@ -1296,7 +1373,8 @@ class Zero:
             raise RuntimeError(f"zero: backward() called {self.micro + 1} times without step(); "
                                f"Config.accum_steps={cfg.accum_steps}")
         fn, d = getattr(loss, "grad_fn", None), None  # DDP's habit, loss / accum_steps: divided twice, silently
-        if cfg.accum_steps > 1 and fn is not None and fn.name() in ("DivBackward0", "MulBackward0"):
+        if cfg.accum_steps > 1 and fn is not None and fn.name() in ("DivBackward0", "MulBackward0") and \
+                "Add" not in str(fn.next_functions[0][0]):   # (a + b) / 2: two halves' mean, not DDP's habit
             d = getattr(fn, "_saved_other", None)
             d = 1 / d if fn.name() == "MulBackward0" and isinstance(d, torch.Tensor) and d.numel() == 1 else d
         if isinstance(d, torch.Tensor) and d.numel() == 1 and d.device.type == "cpu" and \
@@ -1307,11 +1385,12 @@ class Zero:
         if not self.learned:
             self._learn()
         self._settle()
-        self.in_flight, self.launch_next, self.done_to, self.cursor[1] = collections.deque(), 0, 0, 0
+        s = self.sched
+        s.start_backward()
         for u in self.units:
-            u.posts, u.reduced = 0, False
-        if self.shards_params and self.rorder and cfg.prefetch:
-            self._unshard(self.rorder[0], wait=False)   # the forward's last block is the first one back
+            u.reduced = False
+        if self.shards_params and s.back and cfg.prefetch:
+            self._unshard(s.places[s.back[0]], wait=False)   # the forward's last block is the first one back
         self.in_backward = True
         try:                                # fp16: the loss scaled up so small gradients survive in 16 bits
             (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
@@ -1322,28 +1401,34 @@ class Zero:
                                "or use the model's own gradient_checkpointing_enable() with checkpoint=False") from e
         finally:
             self.in_backward = False
-        self._backward_to(len(self.rorder))  # what this rank's backward did not reach, in its turn
+        self._backward_to(len(s.back))      # what this rank's backward did not reach, in its turn
         self._launch_ready(end=True)        # the units that stay whole, and the root
         self._drain()
         for u in self.units:                # stage 3: what is still whole (the root, escaped units) goes now
-            u.calls = 0
             if self.shards_params and u.phase == WHOLE:
                 self._reshard(u)
+        self.calls, self.segments = [], 0
         self.micro += 1
 
     def _learn(self):
-        # the first backward: the ranks agree on the order their forwards ran the blocks in (a model may run them
-        # in another order than it registers them), on the units that stay whole, and on those with no backward
-        # (nothing before them requires grad); the schedules follow that from then on
+        # the first backward: the ranks agree on the order their forwards called the blocks in (a model may call
+        # them in another order than it registers them, or call one twice), on the units that stay whole, and
+        # on those with no backward (nothing before them requires grad); the schedule follows that from then on
         seen = {u.index: u.grad_out for u in self.order if u.grad_out is not None}
-        every = self.net.all_gather_object((list(dict.fromkeys(self.ran)), [u.index for u in self.units if u.keep],
-                                            seen))
+        ends = [(s, END, END) for s in range(self.segments)]
+        mine = sorted(self.calls + ends, key=lambda x: (x[0], x[1] == END))   # each segment ends after its calls
+        every = self.net.all_gather_object((mine, [u.index for u in self.units if u.keep], seen))
         with_grad = {i for *_, s in every for i, g in s.items() if g}
         without = {i for *_, s in every for i, g in s.items() if not g} - with_grad
+        keep = {i for _, k, _ in every for i in k}
         for u in self.units:
-            u.keep = u.keep or any(u.index in k for _, k, _ in every)
-        order = _merge_orders([s for s, _, _ in every], [u.index for u in self.order])
-        self._schedule([self.units[i] for i in order], {u.index for u in self.units} - without)
+            u.keep = u.keep or u.index in keep
+        nodes = _merge([s for s, _, _ in every], [(0, 0, u.index) for u in self.order])
+        segments = [[]]
+        for _, k, i in nodes:               # a segment's end starts the next forward's
+            segments[-1].append(self.units[i]) if k != END else segments.append([])
+        self.sched = Schedule(self.units, segments[:-1] if len(segments) > 1 else segments, without, keep)
+        self.order = self.sched.order + [u for u in self.order if u not in self.sched.order]
         self.learned = True
 
     # -- step
@@ -1366,7 +1451,7 @@ class Zero:
                                "zero.Zero(model) and freeze them after (a frozen parameter is left untouched)")
         self.net.agree("step")
         self.micro = 0
-        for u in self.launch_order if self.shards_optim and not self.shards_grads else ():   # stage 1: once, now
+        for u in self.sched.launch if self.shards_optim and not self.shards_grads else ():   # stage 1: once, now
             self._reduce(u)
         self._drain()
         self._settle()

@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 import zlib
@@ -88,6 +89,8 @@ class Config:
     timeout_s: float = 300.0        # every process group the engine makes ends a hang (and its setup) after this
     waits: str = "auto"             # "nccl": stream-ordered waits, the CPU runs ahead of the device | "gloo": timed
                                     # waits on the CPU | "auto": those of the process group's backend
+    check_calls: bool = False       # every forward/backward/step checked across ranks at once (a store round trip
+                                    # each; also TORCH_DISTRIBUTED_DEBUG=DETAIL); default: by the step's fingerprint
 
     def validate(self):
         def bad(what, fix):
@@ -152,15 +155,17 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_reduce, _broadcast = dist.all_reduce, dist.broadcast
 _GROUPS = {}   # (ranks, purpose, world, timeout) -> process group, made once per process, shared by its engines
-CALLS = ("forward", "backward", "step", "full_state_dict", "load_state_dict", "save", "load")
-EVERY_RANK = ("Every rank must call forward (at stage 3, or with offload), backward, step, full_state_dict, "
-              "load_state_dict, zero.save and zero.load together: evaluate and save on every rank, under conditions "
-              "every rank agrees on (rank 0's loss, broadcast); Hugging Face's generate() at stage 3: synced_gpus=True")
+RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls a script may make on one rank only
+EVERY_RANK = ("every rank must call forward (at stage 3, or with offload), backward, step, full_state_dict, "
+              "load_state_dict, zero.save and zero.load together (evaluate and save on every rank; Hugging Face's "
+              "generate() at stage 3: synced_gpus=True)")
 
 
-def _device(backend):
-    # the engine computes where its process group talks: NCCL ranks on their GPU, gloo ranks on the CPU
-    if not torch.cuda.is_available() or (backend is not None and "nccl" not in backend):
+def _device(pg):
+    # the engine computes where its process group talks: NCCL ranks on their GPU, gloo ranks on the CPU (a group
+    # made without a backend has both: its device types say which the GPU's tensors take)
+    config = str(dist.get_backend_config(pg)) if pg is not None and hasattr(dist, "get_backend_config") else ""
+    if not torch.cuda.is_available() or (pg is not None and "nccl" not in config + str(dist.get_backend(pg))):
         return torch.device("cpu")
     want = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())) % torch.cuda.device_count()
     if torch.cuda.current_device() != want:
@@ -169,42 +174,79 @@ def _device(backend):
     return torch.device("cuda", want)
 
 
+def fingerprint(trace):
+    """A step's collectives and calls as 4 integers of 12 bits: summed over N ranks with their squares in fp64,
+    all ranks agree iff N * sum(c^2) == sum(c)^2 for each, exactly while N < 2^29 (sums below 2^53)."""
+    h = int.from_bytes(hashlib.blake2b(repr(trace).encode(), digest_size=6).digest(), "little")
+    return [(h >> (12 * i)) & 0xFFF for i in range(4)]
+
+
+def divide_factors(n):
+    """The mean over n gradients (ranks x micro-batches) as a divide by `pre` before the sum and by n / pre after,
+    pre the power of two nearest below sqrt(n) (FSDP divides so too): fp16 parts lose log2(pre) bits of range to
+    underflow, not log2(n), and their sum, ~n / pre times a part, stays as far from overflow."""
+    pre = 1 << (math.isqrt(n).bit_length() - 1)
+    return pre, n / pre
+
+
 class Comm:
-    """The engine's collectives, each on a process group of its purpose, all made with Config.timeout_s: gather
-    (all-gathers of parameters) and reduce (reduce-scatters of gradients; stage 0: all-reduces) in the rank's
-    shard group; replica (hybrid: the reduced shard summed across shard groups); world (the step's scalars,
-    the setup's broadcasts); control, the same ranks on gloo (Python objects, and agree()). Each launch is
-    asynchronous, counted in a ledger as a ring sends it (all-reduce 2M(n-1)/n, reduce-scatter and all-gather
-    M(n-1)/n elements for M on n ranks) and traced as (kind, unit) for the step's fingerprint."""
+    """The engine's collectives, all on process groups made with Config.timeout_s: `shard` (all-gathers of
+    parameters, reductions of gradients: one communicator, as FSDP2, so that one order is trivially merged),
+    `replica` (hybrid: the reduced shard summed across shard groups) and `world` (the step's one all-reduce, the
+    setup's broadcasts, Python objects; the shard group itself without hybrid). Each launch is asynchronous,
+    counted in a ledger as a ring sends it (all-reduce 2M(n-1)/n, reduce-scatter and all-gather M(n-1)/n elements
+    for M on n ranks) and traced as (kind, unit) for the step's fingerprint. No call is checked across ranks per
+    forward or backward: the step's fingerprint does that (Config.check_calls: every call, at once)."""
 
     def __init__(self, cfg, group=None):
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        self.ledger, self.trace, self.calls = {}, [], 0   # bytes per kind; launches; agree() calls made
+        self.ledger, self.trace = {}, []    # bytes per kind; launches and calls since the step
         up = dist.is_available() and dist.is_initialized()
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if up else [0]
         self.world, self.rank = len(self.ranks), self.ranks.index(dist.get_rank()) if up else 0
-        backend = str(dist.get_backend(group)) if up else None
-        self.device = _device(backend)
+        self.device = _device(group or dist.group.WORLD if up else None)
         # NCCL's untimed wait orders streams and lets the CPU go on (a timed one blocks it until the device is
         # done); gloo's blocks the CPU anyway, with a timeout. Config.waits picks either, to test the other
-        self.stream_waits = "nccl" in ((backend or "gloo") if cfg.waits == "auto" else cfg.waits)
+        self.stream_waits = self.device.type == "cuda" if cfg.waits == "auto" else cfg.waits == "nccl"
         k = (cfg.shard_group if cfg.stage else 0) or self.world
         if self.world % k:
             raise ValueError(f"zero.Config: shard_group={k} does not divide the {self.world} ranks; use a divisor "
                              "(the ranks of one node, LOCAL_WORLD_SIZE)")
+        # a user's group on a default group bound to a device: NCCL splits sub-groups from the parent, which
+        # every parent rank must then join
+        bound = group is not None and getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        if bound and k < self.world:
+            raise ValueError("zero.Zero: hybrid sharding on group= needs sub-groups, which NCCL splits from a "
+                             "default group bound to a device (init_process_group(device_id=...)): every rank "
+                             "would have to build the engine. Init without device_id, or pass no group")
         # shard group: k consecutive ranks holding one copy of the model states; replica group: the ranks holding
         # the same shard, one per shard group
         self.shards, self.shard_rank, self.replica, self.replicas = k, self.rank % k, self.rank // k, self.world // k
-        shards, self.groups = [self.ranks[i:i + k] for i in range(0, self.world, k)], {}
-        for purpose, subsets in dict(gather=shards, reduce=shards, replica=[self.ranks[j::k] for j in range(k)],
-                                     world=[self.ranks], control=[self.ranks]).items():
-            for s in subsets:               # every rank makes every group, in one order (new_group is collective)
+        subsets = dict(shard=[self.ranks[i:i + k] for i in range(0, self.world, k)],
+                       replica=[self.ranks[j::k] for j in range(k)] if k < self.world else [],
+                       world=[self.ranks] if k < self.world else [])
+        self.groups = {}
+        for purpose, sets in subsets.items():
+            for s in sets:                  # every rank makes every group, in one order (new_group is collective)
                 key = (tuple(s), purpose, id(dist.group.WORLD), cfg.timeout_s)
-                if len(s) > 1 and key not in _GROUPS:
-                    _GROUPS[key] = dist.new_group(list(s), timeout=self.timeout, use_local_synchronization=group
-                                                  is not None, backend="gloo" if purpose == "control" else None)
-                if self.ranks[self.rank] in s:
-                    self.groups[purpose] = (_GROUPS.get(key), len(s))
+                if len(s) > 1 and key not in _GROUPS and not bound:
+                    _GROUPS[key] = dist.new_group(list(s), timeout=self.timeout,
+                                                  use_local_synchronization=group is not None)
+                if self.ranks[self.rank] in s:      # (bound: the user's group itself, with its own timeout)
+                    self.groups[purpose] = (group if bound and len(s) > 1 else _GROUPS.get(key), len(s))
+        self.groups.setdefault("world", self.groups["shard"])
+        # per-call records, for the error that says what each rank called; the store, where torch has one
+        self.calls, self.log = collections.Counter(), collections.deque(maxlen=6)
+        self.check_calls = cfg.check_calls or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
+        serial = _SERIALS.setdefault(tuple(self.ranks), itertools.count())
+        self.prefix = f"zero/{'-'.join(map(str, self.ranks))[:64]}/{next(serial)}"
+        self.store = None
+        if self.world > 1:
+            with contextlib.suppress(Exception):
+                self.store = dist.distributed_c10d._get_default_store()
+        if self.world > 1:                  # NCCL makes a communicator at its first call: here, not at peak memory
+            for pg, n in {id(g): (g, n) for g, n in self.groups.values()}.values():
+                self.wait(_all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True))
 
     def count(self, kind, elems, elem_size):
         calls, e, b = self.ledger.get(kind, (0, 0, 0))
@@ -218,8 +260,8 @@ class Comm:
             done = e
         if done is not True:
             raise RuntimeError(f"zero: a collective failed or did not finish in {self.timeout}: another rank died, "
-                               "stalled or ran other collectives (if just slow: raise Config.timeout_s). "
-                               + EVERY_RANK) from (done or None)
+                               f"stalled or made other calls ({self.report()}); if just slow, raise "
+                               f"Config.timeout_s; {EVERY_RANK}") from (done or None)
 
     def _launch(self, collective, purpose, kind, t, ring, tag, sync, *tensors):
         pg, n = self.groups.get(purpose, (None, 1))
@@ -236,38 +278,78 @@ class Comm:
         return self._launch(_all_reduce, purpose, kind, t, 2, tag, sync, t)
 
     def reduce_scatter(self, out, inp, sync=True, tag=None):   # out may be inp's own slice: reduced in place
-        return self._launch(_reduce_scatter, "reduce", "reduce_scatter", inp, 1, tag, sync, out, inp)
+        return self._launch(_reduce_scatter, "shard", "reduce_scatter", inp, 1, tag, sync, out, inp)
 
     def all_gather(self, out, inp, kind="all_gather", sync=True, tag=None):   # inp may be out's own slice
-        return self._launch(_all_gather, "gather", kind, out, 1, tag, sync, out, inp)
+        return self._launch(_all_gather, "shard", kind, out, 1, tag, sync, out, inp)
 
     def broadcast(self, t):                 # the setup: every rank starts from the first rank's values
-        pg, n = self.groups.get("world", (None, 1))
+        pg, n = self.groups["world"]
         if n > 1:
             self.wait(_broadcast(t, self.ranks[0], group=pg, async_op=True))
 
-    def agree(self, what):
-        """Every rank makes the same collective-taking call (`what`, the engine's n-th), checked on the CPU before
-        its first collective: one made on some ranks only is this error in seconds, not a hang, a gloo abort or
-        the wrong collectives paired."""
-        if self.world > 1:
-            self.calls += 1
-            every = [torch.zeros(2, dtype=torch.long) for _ in range(self.world)]
-            try:
-                dist.all_gather(every, torch.tensor([CALLS.index(what), self.calls]), group=self.groups["control"][0])
-            except RuntimeError as e:
-                raise RuntimeError(f"zero: {what}(): the other ranks did not make this call in {self.timeout}. "
-                                   + EVERY_RANK) from e
-            if any((x != every[0]).any() for x in every):
-                calls = "; ".join(f"rank {r}: {CALLS[a]}() #{b}" for r, (a, b) in enumerate(x.tolist() for x in every))
-                raise RuntimeError(f"zero: the ranks made different calls ({calls}). " + EVERY_RANK)
+    def same(self, h):
+        # whether every rank has the same integer h (< 2^62): one tiny all-reduce, MAX of h and of -h
+        pg, n = self.groups["world"]
+        t = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
+        if n > 1:
+            self.wait(_all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True))
+        return bool(t[0] == -t[1])
 
-    def all_gather_object(self, obj):       # small Python objects (checksums, errors, traces), on the CPU
+    def all_gather_object(self, obj):       # Python objects (the setup's, the first backward's, a save's)
         out = [obj] * self.world
         if self.world > 1:
-            dist.all_gather_object(out, obj, group=self.groups["control"][0])
+            dist.all_gather_object(out, obj, group=self.groups["world"][0])
         return out
 
+    def agree(self, what):
+        """A collective-taking call (the engine's n-th): recorded, and counted in the step's fingerprint. The
+        calls a script may make on one rank only, and every call with Config.check_calls, are checked at once
+        through the store: each rank counts itself in at key n under its call; all go on once one call has all."""
+        self.calls[what] += 1
+        n = sum(self.calls.values())
+        self.log.append(f"{what}() #{n}")
+        self.trace.append((what, None))
+        if self.store is None or not (what in RARE or self.check_calls):
+            return
+        key = f"{self.prefix}/call{n}"
+        try:
+            self.store.set(f"{key}/{self.rank}", what)
+            if self.store.add(f"{key}/{what}", 1) == self.world:
+                self.store.set(f"{key}/all", what)
+            self.store.wait([f"{key}/all"], self.timeout)
+        except Exception as e:              # (the store's timeout)
+            raise RuntimeError(f"zero: {what}() #{n}: the other ranks did not make this call within {self.timeout} "
+                               f"({self.report()}); {EVERY_RANK}") from e
+
+    def report(self, wait_s=3.0):
+        # what each rank called, from the store: this rank's last calls written, the others' read (those that
+        # failed too write theirs), with how many of each call each made where they differ
+        if self.store is None:
+            return f"rank {self.rank}: " + ", ".join(self.log)
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}/last/{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
+        seen, deadline = {}, time.monotonic() + wait_s
+        while len(seen) < self.world and time.monotonic() < deadline:
+            for r in range(self.world):
+                k = f"{self.prefix}/last/{r}"
+                with contextlib.suppress(Exception):
+                    if r not in seen and self.store.check([k]):
+                        seen[r] = json.loads(self.store.get(k))
+            time.sleep(0.05 * (len(seen) < self.world))
+        more = []
+        for what in CALLS:                  # "rank 1 made 1 forward() more than rank 0"
+            counts = {r: c.get(what, 0) for r, (c, _) in seen.items()}
+            if len(set(counts.values())) > 1:
+                lo = min(counts, key=counts.get)
+                more += [f"rank {r} made {c - counts[lo]} {what}() more than rank {lo}" for r, c in counts.items()
+                         if c > counts[lo]][:4]
+        last = "; ".join(f"rank {r}: {', '.join(log[-3:])}" for r, (_, log) in sorted(seen.items())[:8])
+        return "; ".join(more + [last or "no other rank said what it called"])
+
+
+CALLS = ("forward", "backward", "step") + RARE
+_SERIALS = {}                               # ranks -> a counter of the engines made on them, the same on each
 
 
 # -----------------------------------------------------------------------------
@@ -616,7 +698,7 @@ class _Sharded(nn.Parameter):
         name, attr = getattr(func, "__name__", ""), getattr(getattr(func, "__self__", None), "__name__", "")
         for t in _tensors((args, kwargs)) if name not in METADATA or attr == "data" else ():
             if type(t) is _Sharded:
-                engine, unit = t._zero_owner
+                engine, unit = t._zero_owner[0](), t._zero_owner[1]
                 if engine.depth == 0:
                     raise RuntimeError(f"zero: '{t._zero_name}' was read outside the model's forward, where its unit "
                                        "is not gathered (stage 3 between uses, offload before the next forward): read "
@@ -625,6 +707,12 @@ class _Sharded(nn.Parameter):
                 engine._unshard(unit)
                 engine._mark(unit, False)
         return _PLAIN(func, types, args, kwargs or {})
+
+
+def _on_grad(engine, u, i, p):
+    # a gradient hook, held by torch's C++ side: a weak reference, or the engine could never be freed
+    if engine() is not None:
+        engine()._on_grad(u, i, p)
 
 
 def _merge(seqs, extra=()):
@@ -663,6 +751,7 @@ class Schedule:
     places from every rank's calls (before it: each unit once, in the order registered)."""
 
     def __init__(self, units, segments, without=frozenset(), keep=frozenset()):
+        self.segments, self.without = segments, without
         self.places, self.node, self.ends = [], {}, []
         for s, seg in enumerate(segments):
             seen = collections.Counter()
@@ -780,6 +869,33 @@ def _foreign_step(opt, args, kwargs):
 
 
 register_optimizer_step_pre_hook(_foreign_step)
+_torch_clip, _torch_compile = torch.nn.utils.clip_grad_norm_, torch.compile
+
+
+@functools.wraps(_torch_clip)
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    # a DDP script's torch.nn.utils.clip_grad_norm_(model.parameters(), c) on an engine's parameters, whose
+    # gradients live in its shards (torch's would see none and return 0): the engine's, as under DDP
+    ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engine = next((e for e in _ENGINES for p in ps[:1] if id(p) in e.owned), None)
+    if engine is None:
+        return _torch_clip(ps, max_norm, norm_type, error_if_nonfinite, foreach)
+    if {id(p) for p in ps if p.requires_grad} != {id(p) for u in engine.units if u.train for p in u.train.params}:
+        raise ValueError("zero: clip_grad_norm_ of some of the engine's parameters: zero clips all of them together; "
+                         "pass model.parameters()")
+    return engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+
+def _compile(model=None, **kwargs):
+    # torch.compile(engine): the model inside it is compiled (as if compiled before wrapping), the engine returned
+    if isinstance(model, Zero):
+        model._forward = _torch_compile(model._forward, **kwargs)
+        return model
+    return _torch_compile(**kwargs) if model is None else _torch_compile(model, **kwargs)
+
+
+torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
+torch.compile = functools.wraps(_torch_compile)(_compile)
 
 
 @atexit.register
@@ -820,6 +936,7 @@ class Zero:
         self.dtype = DTYPES[cfg.dtype]
         self.grad_dtype = torch.float32 if cfg.reduce_dtype else self.dtype   # gradient reductions and sums
         self.scaler = LossScaler(cfg)
+        self.divide = divide_factors(self.world * cfg.accum_steps)   # the mean: a divide before the sum, one after
         # -- what the stages differ in, one name each
         self.shards_optim = cfg.stage >= 1          # fp32 master weights and Adam moments: this rank's shard
         self.shards_grads = cfg.stage >= 2          # gradients reduce-scattered in backward, the whole ones freed
@@ -831,6 +948,7 @@ class Zero:
         self.master_is_param = self.dtype == torch.float32 and not cfg.offload   # fp32: no second copy
         # -- progress through a step
         self.step_count, self.grad_norm = 0, 0.0    # applied steps (an fp16 overflow skips one); the last norm
+        self.clip = self.got = None                 # this step's clip_grad_norm_ max_norm; parameters with a grad
         self.micro = 0                              # backward calls since the last step
         self.in_backward = False                    # inside engine.backward: a bare loss.backward() is refused
         self.depth = 0                              # modules outside the units now running, one inside the other
@@ -841,6 +959,9 @@ class Zero:
         self.segments = 0                           # forwards with a backward to come since the last backward
         self.learned = self.checked = False         # the first backward learned the order; the first forward ran
         self.worker = None                          # the offload thread
+        self.norms = []                             # offload: the gradient shards' squared norms, on the device
+        self.replica_works = []                     # hybrid: (flat, shard, work) of the replica sums in flight
+        self.d2h = None                             # offload on CUDA: an event after the shards' copies to the host
         self.unfilled = set()                       # names built on the meta device that nothing initialized
         self.pinned = {}                            # offload on CUDA: kind -> [pinned block of host state, used]
         self.peak_gathered_bytes = 0                # stage 3: the most bytes of whole units held at once
@@ -893,7 +1014,7 @@ class Zero:
         # as Hugging Face's generate() calls an encoder) and ends when it returns; each unit's forward
         for u in self.units:
             for i, p in enumerate(u.train.params if u.train else ()):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u, i))
+                p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self), u, i))
         for m in mods:
             m.register_forward_pre_hook(self._enter)
             m.register_forward_hook(self._exit, always_call=True)
@@ -907,6 +1028,8 @@ class Zero:
         # the model's own state_dict would hold shards or stale 16-bit copies: both go through the engine
         self.module.state_dict, self.module.load_state_dict = self._refuse_state_dict, self.load_state_dict
         self.worker = HostWorker(self.device, cfg.timeout_s) if cfg.offload else None
+        if self.worker:                     # the thread ends with the engine, or at exit after its jobs
+            weakref.finalize(self, self.worker.close)
         self.ledger_reset()
         _ENGINES.add(self)
 
@@ -971,7 +1094,9 @@ class Zero:
         mine = dict(stage=c.stage, dtype=c.dtype, accum_steps=c.accum_steps, offload=c.offload, units=len(self.units),
                     params=sum(f.numel for u in self.units for f in u.flats), layout=zlib.crc32(layout.encode()),
                     config=zlib.crc32(repr(dataclasses.asdict(c)).encode()))
-        every = self.net.all_gather_object(mine)
+        if self.net.same(zlib.crc32(repr(mine).encode())):
+            return
+        every = self.net.all_gather_object(mine)    # only when they differ: what each rank has
         for r, row in enumerate(every):
             diff = [f"{k}: rank 0 has {a}, rank {r} has {row[k]}" for k, a in every[0].items() if a != row[k]]
             if diff:
@@ -1028,9 +1153,7 @@ class Zero:
         else:
             if kind not in self.pinned:
                 block = torch.empty(sum(u.train.hi - u.train.lo for u in self.units if u.train), dtype=dtype)
-                if torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.nbytes, 0) != 0:
-                    block = block.pin_memory()    # refused: torch's allocator, rounded up
-                self.pinned[kind] = [block, 0]
+                self.pinned[kind] = [_pinned(block), 0]
             block, used = self.pinned[kind]
             t, self.pinned[kind][1] = block[used:used + n], used + n
         return t.copy_(src) if src is not None else t.zero_()
@@ -1047,7 +1170,7 @@ class Zero:
             f.flat, owned, n = full.to(self.dtype), full[f.lo:f.hi], f.hi - f.lo
             for name, p, o in zip(f.names, f.params, f.offsets):   # the model sees its parameters, as views
                 p.data = f.flat[o:o + p.numel()].view(p.shape)     # into the buffer that one collective moves
-                p._zero_name, p._zero_owner = name, (self, u)
+                p._zero_name, p._zero_owner = name, (weakref.ref(self), u)
             if f.trainable:
                 f.master = None if self.master_is_param else self._state("master", n, src=owned)
                 f.exp_avg, f.exp_avg_sq = self._state("exp_avg", n), self._state("exp_avg_sq", n)
@@ -1056,7 +1179,7 @@ class Zero:
                     f.grad_shard = f.grad[f.lo:f.hi]
                 if self.shards_grads or cfg.offload:
                     f.grad_shard = self._state("grad_shard", n, self.grad_dtype)
-                if cfg.offload and self.shards_grads and cfg.accum_steps > 1:
+                if cfg.offload and self.shards_grads and (cfg.accum_steps > 1 or self.net.replicas > 1):
                     f.acc = torch.zeros(n, dtype=self.grad_dtype, device=self.device)
                 f.staging = self._state("staging", n, self.dtype) if self.pin else None
             elif cfg.frozen_dtype:          # frozen in fp32, exact: the compute copy is made when gathered
@@ -1338,8 +1461,8 @@ class Zero:
                 g[o:o + p.numel()].zero_()
         g[f.numel:].zero_()
         f.grad, f.written, u.reduced = g, set(range(len(f.params))), True
-        g.mul_(1.0 / (self.world * self.cfg.accum_steps))   # the mean, before the sum: fp16 cannot overflow in it
-        work = self.net.all_reduce(g, "reduce", kind="all_reduce", sync=False, tag=u.index) if not self.shards_optim \
+        g.mul_(1.0 / self.divide[0])        # a part of the mean before the sum, the rest in the step (fp16's range)
+        work = self.net.all_reduce(g, "shard", kind="all_reduce", sync=False, tag=u.index) if not self.shards_optim \
             else self.net.reduce_scatter(g[f.lo:f.hi], g, sync=False, tag=u.index)
         self.sched.in_flight.append((u, work))
         self._drain(2 if self.shards_grads else len(self.sched.in_flight))
@@ -1351,26 +1474,33 @@ class Zero:
 
     def _finish_reduce(self, u, work):
         self.net.wait(work)
-        f = u.train
-        if self.shards_grads or self.cfg.offload:
-            # the reduced owned slice becomes (or is added to) the gradient shard; with offload it goes to the host
-            # once per step in the reduce dtype (the paper's minimal traffic), summed on the device before that
-            mine, last = f.grad[f.lo:f.hi], self.micro == self.cfg.accum_steps - 1 or not self.shards_grads
-            dst = f.acc if f.acc is not None else f.grad_shard
-            dst.copy_(mine, non_blocking=self.pin) if self.micro == 0 or not self.shards_grads else dst.add_(mine)
-            if f.acc is not None and last:
-                f.grad_shard.copy_(f.acc, non_blocking=self.pin)
-            if self.cfg.offload and (last or f.acc is None):
-                self.net.count("d2h", mine.numel(), mine.element_size())
+        f, cfg = u.train, self.cfg
+        last = self.micro == cfg.accum_steps - 1 or not self.shards_grads   # u's last reduction of the step
+        mine = f.grad[f.lo:f.hi]            # the reduced owned slice, on the device
+        dev = f.acc if f.acc is not None else mine if cfg.offload else f.grad_shard   # where it is summed
+        if self.shards_grads and dev is not mine:
+            dev.copy_(mine) if self.micro == 0 else dev.add_(mine)
+        if last and self.net.replicas > 1:  # hybrid: summed with the same shard of the other shard groups
+            self.replica_works.append((f, dev, self.net.all_reduce(dev, "replica", "replica_all_reduce", False,
+                                                                   u.index)))
+        elif last and cfg.offload:
+            self._to_host(f, dev)
         if self.shards_grads:
             f.grad, f.written = None, set()  # stages 2-3 keep no whole gradient between micro-batches
+
+    def _to_host(self, f, dev):
+        # offload: the step's gradient shard to the host once, in the reduce dtype (the paper's minimal traffic);
+        # its norm taken on the device first, so that the step need not wait for the copy
+        self.norms.append(torch.linalg.vector_norm(dev, dtype=torch.float32) ** 2)
+        f.grad_shard.copy_(dev, non_blocking=self.pin)
+        self.net.count("d2h", dev.numel(), dev.element_size())
 
     def backward(self, loss):
         """Backward of this micro-batch's plain mean loss (the engine divides by accum_steps itself); returns when
         its gradients are reduced."""
         cfg = self.cfg
         if self.micro >= cfg.accum_steps:
-            raise RuntimeError(f"zero: backward() called {self.micro + 1} times without step(); "
+            raise RuntimeError(f"zero: backward() called {min(self.micro, cfg.accum_steps) + 1} times without step(); "
                                f"Config.accum_steps={cfg.accum_steps}")
         fn, d = getattr(loss, "grad_fn", None), None  # DDP's habit, loss / accum_steps: divided twice, silently
         if cfg.accum_steps > 1 and fn is not None and fn.name() in ("DivBackward0", "MulBackward0") and \
@@ -1438,8 +1568,24 @@ class Zero:
         gradients were not finite (fp16 overflow: the step is skipped)."""
         return self.optimizer.step()        # through the optimizer, so that LR schedulers see the step
 
-    def _step(self):
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        """torch.nn.utils.clip_grad_norm_ of the engine's gradients, between the last backward and step(): the
+        global norm (of the unscaled mean gradient, every rank the same) is returned and the step clips at
+        max_norm instead of Config.grad_clip. torch's own function, given the engine's parameters, calls this."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"zero: clip_grad_norm_(norm_type={norm_type}): zero clips the L2 norm; use 2.0")
+        norm = self._agree_step()
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"zero: the total norm of the gradients is {norm} (error_if_nonfinite=True)")
+        self.clip = float(max_norm)
+        return torch.tensor(norm)
+
+    def _agree_step(self):
+        """The step up to the update, once per step (clip_grad_norm_ may run it first): the last reductions, and
+        the one all-reduce of the step's agreement; returns the global gradient norm."""
         cfg = self.cfg
+        if self.micro == cfg.accum_steps + 1:   # agreed already
+            return self.grad_norm
         if self.micro != cfg.accum_steps:
             raise RuntimeError(f"zero: step() after {self.micro} backward() calls; "
                                f"Config.accum_steps={cfg.accum_steps} asks for exactly that many")
@@ -1450,41 +1596,56 @@ class Zero:
                                "the engine holds no optimizer state for them. Make them trainable before "
                                "zero.Zero(model) and freeze them after (a frozen parameter is left untouched)")
         self.net.agree("step")
-        self.micro = 0
         for u in self.sched.launch if self.shards_optim and not self.shards_grads else ():   # stage 1: once, now
             self._reduce(u)
         self._drain()
         self._settle()
-        if self.pin:
-            torch.cuda.synchronize(self.device)    # the gradient shards' copies to the host have landed
-        if self.net.replicas > 1:           # hybrid: the shard summed with the same shard of the other groups
-            for f, t, work in [(u.train, t, self.net.all_reduce(t, "replica", "replica_all_reduce", False, u.index))
-                               for u in self.units if u.train for t in [u.train.grad_shard.to(self.device)]]:
-                self.net.wait(work)         # (a host shard visits the device: NCCL reduces device memory)
-                if t is not f.grad_shard:
-                    f.grad_shard.copy_(t)
-                    self.net.count("h2d", t.numel(), t.element_size())
-                    self.net.count("d2h", t.numel(), t.element_size())
-        # one all-reduce carries the step's agreement, in fp64 (exact for these integers): the unscaled gradient's
-        # squared norm, once per shard (inf or nan: overflow); a fingerprint f of each rank's collectives, as f and
-        # f^2 (sum^2 = N * sum of squares only if all are equal); which parameters got a gradient on any rank
+        for f, dev, work in self.replica_works:
+            self.net.wait(work)
+            if self.cfg.offload:
+                self._to_host(f, dev)
+        self.replica_works = []
+        if self.pin:                        # the worker waits for the gradient shards' copies to the host
+            self.d2h = torch.cuda.Event()
+            self.d2h.record()
+        # one all-reduce carries the step's agreement, in fp64 (exact for these integers): the gradient's squared
+        # norm, once per shard (inf or nan: overflow); the fingerprint of each rank's collectives and calls, with
+        # its squares; which parameters got a gradient on any rank. One copy to the device, one sync back
         flats = [u.train for u in self.units if u.train]
-        stats = torch.zeros(3 + sum(len(f.params) for f in flats), dtype=torch.float64, device=self.device)
-        for f in flats:
-            stats[0] += torch.linalg.vector_norm(f.grad_shard, dtype=torch.float32).to(self.device) ** 2
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for t in self.norms if self.cfg.offload else (torch.linalg.vector_norm(f.grad_shard, dtype=torch.float32) ** 2
+                                                      for f in flats):
+            sq += t
+        self.norms = []
         # a copy several ranks hold (stage 0's gradient, hybrid replicas) counts once: the others add 0 times their
         # sum, nan if theirs is not finite, so that an overflow anywhere skips everywhere
-        stats[0] *= float((self.net.replica if self.shards_optim else self.rank) == 0)
-        fp = zlib.crc32(repr(self.net.trace).encode()) % (1 << 21)
-        stats[1:3] = torch.tensor([fp, fp * fp], dtype=torch.float64)
-        stats[3:] = torch.tensor([i in f.got for f in flats for i in range(len(f.params))], dtype=torch.float64)
+        sq *= float((self.net.replica if self.shards_optim else self.rank) == 0)
+        fp = fingerprint(self.net.trace)
+        host = torch.tensor(fp + [c * c for c in fp] + [u.keep for u in self.units] +
+                            [i in f.got for f in flats for i in range(len(f.params))], dtype=torch.float64)
+        cuda = self.device.type == "cuda"
+        stats = torch.cat([sq.view(1), (host.pin_memory() if cuda else host).to(self.device, non_blocking=cuda)])
         self.net.all_reduce(stats, kind="scalar")
-        sq, fsum, fsq, *got = stats.tolist()
+        sq, *rest = stats.tolist()
+        sums, squares, keep, got = rest[:4], rest[4:8], rest[8:8 + len(self.units)], rest[8 + len(self.units):]
         for f in flats:
             f.written, f.got = set(), set()  # the next window starts a new accumulation
-        if fsum * fsum != self.world * fsq:
+        if any(s * s != self.world * q for s, q in zip(sums, squares)):
             self._diverged()
-        self.grad_norm = norm = math.sqrt(sq) / self.scaler.scale   # the gradients are of loss * scale
+        keep = {u.index for u, k in zip(self.units, keep) if k}
+        if self.learned and not keep <= self.sched.keep:   # parameters that escaped on some rank since: whole,
+            for u in self.units:            # and reduced last, on every rank from the next step on
+                u.keep = u.keep or u.index in keep
+            self.sched = Schedule(self.units, self.sched.segments, self.sched.without, keep | self.sched.keep)
+        self.micro, self.got = cfg.accum_steps + 1, got
+        # the gradients are of loss * scale, summed over ranks and micro-batches after a divide by divide[0]
+        self.grad_norm = math.sqrt(sq) / (self.scaler.scale * self.divide[1])
+        return self.grad_norm
+
+    def _step(self):
+        cfg, norm = self.cfg, self._agree_step()
+        clip, got, self.clip, self.micro = self.clip if self.clip is not None else cfg.grad_clip, self.got, None, 0
+        flats = [u.train for u in self.units if u.train]
         if not math.isfinite(norm):         # every rank sees the same norm: no rank steps alone
             self.scaler.update(overflow=True)
             self.ledger_reset()
@@ -1494,7 +1655,7 @@ class Zero:
                                      "nothing was updated. The loss or the data produced inf/nan: lower the lr, check "
                                      "the inputs, or use fp16 with loss scaling only if the cause is range")
         # clip_grad_norm_'s rule; unscale and clip are one multiplier, applied inside the Adam kernel
-        mult = (min(1.0, cfg.grad_clip / (norm + 1e-6)) if cfg.grad_clip > 0 else 1.0) / self.scaler.scale
+        mult = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) / (self.scaler.scale * self.divide[1])
         self.step_count += 1
         self.scaler.update(overflow=False)
         # each group's hyperparameters as they are now (schedulers set them between steps); a parameter without a
@@ -1508,7 +1669,7 @@ class Zero:
         if cfg.offload:                     # the update runs behind the next forward, on the worker
             jobs = []
             for u in [u for u in [self.root, *self.order] if u is not None and u.train]:   # the forward's order
-                jobs.append((u, functools.partial(self._host_update, u, mult, plans[id(u.train)])))
+                jobs.append((u, functools.partial(self._host_update, u, mult, plans[id(u.train)], self.d2h)))
                 if self.regathers and u.phase == WHOLE:
                     self._reshard(u)        # the others' slices are last step's until the next forward gathers
                 self.net.count("h2d", u.train.hi - u.train.lo, u.train.flat.element_size())   # the 16-bit slice
@@ -1549,10 +1710,12 @@ class Zero:
             adamw_step(f.master[a:b], f.grad_shard[a:b], f.exp_avg[a:b], f.exp_avg_sq[a:b], step,
                        lr, b1, b2, eps, wd, grad_mult=mult, out=None if out is None else out[a:b])
 
-    def _host_update(self, u, mult, runs):
+    def _host_update(self, u, mult, runs, d2h=None):
         # on the worker thread; no collective here: the caller's thread gathers, in its forward, so that the
         # order of collectives is the program's own on every rank
         f, dest = u.train, self._param_out(u.train)
+        if d2h is not None:
+            d2h.synchronize()               # the gradient shards have reached the host
         if f.staging is None:
             return self._update(f, mult, dest, runs)
         if u.h2d is not None:
@@ -1572,20 +1735,23 @@ class Zero:
             self._unshard(u)
 
     def _diverged(self):
-        # the ranks' collectives differed in this step: say which, change nothing, and stop
-        traces = self.net.all_gather_object((self.net.trace, self.ran))
-        (t0, _), diff, name = traces[0], "?", lambda i: self.units[i].name if isinstance(i, int) else "the step"
-        for r, (t, _) in enumerate(traces):
+        # the ranks' collectives or calls differed in this step: say which, change nothing, and stop
+        every = self.net.all_gather_object((self.net.trace, self.ran, dict(self.net.calls)))
+        (t0, _, c0), diff, name = every[0], "?", lambda i: self.units[i].name if isinstance(i, int) else "the step"
+        for r, (t, _, _) in enumerate(every):
             if t != t0:
                 j = next((j for j, (x, y) in enumerate(zip(t0, t)) if x != y), min(len(t0), len(t)))
                 of = lambda s: f"{s[j][0]} of {name(s[j][1])}" if j < len(s) else "nothing"   # noqa: E731
-                diff = f"collective #{j}: rank 0's was {of(t0)}, rank {r}'s {of(t)}"
+                diff = f"#{j}: rank 0's was {of(t0)}, rank {r}'s {of(t)}"
                 break
-        ran = "; ".join(f"rank {r}: {[name(i) for i in x]}" for r, (_, x) in enumerate(traces))
+        more = [f"rank {r} made {c.get(k, 0) - c0.get(k, 0)} {k}() more than rank 0" for r, (_, _, c) in
+                enumerate(every) for k in CALLS if c.get(k, 0) > c0.get(k, 0)][:4]
+        ran = "; ".join(f"rank {r}: {[name(i) for i in x]}" for r, (_, x, _) in enumerate(every[:4]))
         self.ledger_reset()
-        raise RuntimeError(f"zero: the ranks ran different collectives in this step ({diff}); nothing was updated. "
-                           f"Units each rank's forwards ran: {ran}. At stage 3 a unit called a different number of "
-                           "times on different ranks does this: call every unit equally often, or use stage 2")
+        raise RuntimeError(f"zero: the ranks ran different collectives in this step ({'; '.join(more + [diff])});"
+                           f" nothing was updated. Units each rank's forwards ran: {ran}. At stage 3 a unit called a "
+                           "different number of times on different ranks does this: call every unit equally often, "
+                           "or use stage 2")
 
     @property
     def lr(self):
@@ -1698,7 +1864,6 @@ class HostWorker:
         self.jobs, self.error, self.timeout = queue.Queue(), None, timeout_s
         self.thread = threading.Thread(target=self._run, args=(device,), daemon=True, name="zero-offload-adam")
         self.thread.start()
-        atexit.register(self.close)
 
     def submit(self, jobs):
         for u, _ in jobs:
@@ -1706,15 +1871,23 @@ class HostWorker:
         self.jobs.put(jobs)
 
     def _run(self, device):
-        if device.type == "cuda":
+        # on CUDA the copies to the device go on a stream of their own, not behind the forward's kernels
+        cuda = device.type == "cuda"
+        if cuda:
             torch.cuda.set_device(device)   # the current GPU is per thread
-        for jobs in iter(self.jobs.get, None):
-            for u, fn in jobs:
-                try:
-                    fn()
-                except BaseException as e:  # handed to the caller at its next wait
-                    self.error = e
-                u.updated.set()
+        with torch.cuda.stream(torch.cuda.Stream(device)) if cuda else contextlib.nullcontext():
+            while self._do(self.jobs.get()):
+                pass
+
+    def _do(self, jobs):
+        # one step's jobs; nothing of them stays referenced here after (the engine can be freed)
+        for u, fn in jobs or ():
+            try:
+                fn()
+            except BaseException as e:      # handed to the caller at its next wait
+                self.error = e
+            u.updated.set()
+        return jobs is not None
 
     def wait(self, u):
         # a bounded wait for u's update; then the caller's stream waits for its copy to the device
@@ -1737,6 +1910,19 @@ def _mismatch(what, missing, unexpected, shapes):
         parts = (f"missing {missing}" * bool(missing), f"unexpected {unexpected}" * bool(unexpected),
                  f"shapes differ: {shapes}" * bool(shapes))
         raise ValueError(f"zero: {what} " + "; ".join(x for x in parts if x))
+
+
+def _pinned(block):
+    # block registered with CUDA as it is (unregistered when freed, as torch pairs them), or, refused, a copy from
+    # torch's pinned allocator, rounded up; the refusal's CUDA error is cleared, or the next kernel reports it
+    cudart = torch.cuda.cudart()
+    if cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 0) == 0:
+        weakref.finalize(block, cudart.cudaHostUnregister, block.data_ptr())
+        return block
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libcudart.so" + next((f".{v}" for v in ("12", "13", "11") if torch.version.cuda.startswith(v)),
+                                          "")).cudaGetLastError()
+    return block.pin_memory()
 
 
 def _post_order(module, stop):
@@ -1771,7 +1957,7 @@ def _aliases(model):
 # Every file is written under a temporary name and renamed into place: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loading slices the layout: any world size and stage loads it.
 
-FORMAT = "zero.py-checkpoint-2"             # -1 (frozen parameters whole, among the buffers) still loads
+FORMAT = "zero.py-checkpoint-2"
 
 
 def _write_atomic(path, write):
@@ -1808,21 +1994,21 @@ def save(engine, path, extra=None):
         os.makedirs(os.path.join(path, name))
     name = net.all_gather_object(name)[0]
     d = os.path.join(path, name)
-    # one copy of the shards: file r holds slice [r*S, (r+1)*S) of every flat buffer's unpadded layout, S the shard
-    # size, whatever the stage (stage 0 holds all, saves its slice), so that any run finds element i of a buffer in
-    # file i // S. With hybrid sharding the first shard group writes them
-    flats, (n_files, r) = [f for u in engine.units for f in u.flats], \
-        (net.shards, net.shard_rank) if engine.shards_optim else (engine.world, rank)
+    # one copy of the shards: slice s, [s*S, (s+1)*S), of every flat buffer's unpadded layout (S the shard size,
+    # whatever the stage: stage 0 holds all, saves its slice), so that any run finds element e of buffer i in slice
+    # e // S, in the file of the rank that wrote it: with hybrid sharding, shard group i % R (of R) writes buffer i
+    flats, (n_files, s), replicas = [f for u in engine.units for f in u.flats], \
+        (net.shards, net.shard_rank) if engine.shards_optim else (engine.world, rank), net.replicas
     shards = []
-    for f in flats if net.replica == 0 else ():
-        a, b = r * (f.padded // n_files), min((r + 1) * (f.padded // n_files), f.numel)
+    for i, f in enumerate(flats):
+        a, b = s * (f.padded // n_files), min((s + 1) * (f.padded // n_files), f.numel)
         held = dict(master=f.master if f.master is not None else engine._owned(f),
                     **(dict(exp_avg=f.exp_avg, exp_avg_sq=f.exp_avg_sq) if f.trainable else {}))
         shards.append({k: v[a - f.lo:a - f.lo + max(b - a, 0)].to("cpu", torch.float32 if f.trainable else v.dtype)
-                       .clone() for k, v in held.items()})
+                       .clone() for k, v in held.items()} if i % replicas == net.replica else None)
     blob = dict(flats=shards, rng=torch.get_rng_state())   # each rank's RNG too: dropout's stream goes on
-    if torch.cuda.is_available():
-        blob["cuda_rng"] = torch.cuda.get_rng_state()
+    if engine.device.type == "cuda":        # (a CPU engine makes no CUDA context)
+        blob["cuda_rng"] = torch.cuda.get_rng_state(engine.device)
     if rank == 0:                           # the buffers are the same on every rank
         blob.update(extra=extra, buffers={k: v.detach().cpu() for k, v in _model_state(engine.module).items()
                                           if id(v) not in engine.owned})
@@ -1836,7 +2022,7 @@ def save(engine, path, extra=None):
             for n, p, o, s in zip(f.names, f.params, f.offsets, f.steps)]) for f in flats]
         groups = [{k: v for k, v in g.items() if k in GROUP_KEYS or k == "initial_lr"}
                   for g in engine.optimizer.param_groups]
-        meta = dict(format=FORMAT, world_size=engine.world, shards=n_files, stage=engine.cfg.stage,
+        meta = dict(format=FORMAT, world_size=engine.world, shards=n_files, replicas=replicas, stage=engine.cfg.stage,
                     dtype=engine.cfg.dtype, config=dataclasses.asdict(engine.cfg), step=engine.step_count,
                     scaler=engine.scaler.state_dict(), param_groups=groups, flats=layout,
                     state_dict_keys=list(_model_state(engine.module)),
@@ -1844,10 +2030,21 @@ def save(engine, path, extra=None):
         _write_atomic(os.path.join(d, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
         # the commit point: until this rename, `latest` names the previous checkpoint, which is whole
         _write_atomic(os.path.join(path, "latest"), lambda f: f.write(name.encode()))
-        for old in os.listdir(path):        # older ones go once the new one is complete: an extra, never none
-            if old.startswith("step_") and old != name:
-                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
     net.all_gather_object(None)             # nobody returns before the checkpoint is whole
+    # older ones go once the new one is complete (an extra, never none): each rank its own files, in parallel,
+    # rank 0 then the rest of what it finds (one left half-deleted is no checkpoint: it has no meta.json)
+    for old in (o for o in os.listdir(path) if o.startswith("step_") and o != name):
+        d = os.path.join(path, old)
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(d, "meta.json"))
+        for r in range(rank, 1 << 20, engine.world):
+            try:
+                os.remove(os.path.join(d, f"rank_{r:05d}.pt"))
+            except OSError:
+                break
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 class _Files:
@@ -1865,11 +2062,10 @@ class _Files:
         try:
             with open(os.path.join(path, "meta.json")) as f:
                 self.meta = json.load(f)
-            assert self.meta.get("format") in (FORMAT, "zero.py-checkpoint-1")
+            assert self.meta.get("format") == FORMAT
         except (ValueError, AssertionError) as e:
             raise ValueError(f"zero: {path}/meta.json is corrupt or of another format; use another checkpoint") from e
         self.d, self.open, meta = path, {}, self.meta
-        meta.setdefault("flats", meta.get("units"))   # format 1's name
         for r in range(check[0], meta["world_size"], check[1]):
             fname = os.path.join(path, f"rank_{r:05d}.pt")
             if not os.path.isfile(fname):
@@ -1882,26 +2078,23 @@ class _Files:
         # name -> (flat, offset, shard size at save time, shape) in the saved layout
         self.saved = {p["name"]: (i, p["offset"], -(-f["numel"] // meta["shards"]), p["shape"])
                       for i, f in enumerate(meta["flats"]) for p in f["params"]}
+        self.writer = lambda i, s: (i % meta.get("replicas", 1)) * meta["shards"] + s   # the file of slice s
 
     def __call__(self, r):                  # weights_only: a checkpoint is data, never code
         if r not in self.open:
-            blob = torch.load(os.path.join(self.d, f"rank_{r:05d}.pt"), map_location="cpu", weights_only=True,
-                              mmap=True)
-            self.open[r] = dict(blob, flats=blob["units"], buffers=blob.get("extra"), extra=None) if "units" in blob \
-                else blob                   # format 1's names
+            self.open[r] = torch.load(os.path.join(self.d, f"rank_{r:05d}.pt"), map_location="cpu",
+                                      weights_only=True, mmap=True)
         return self.open[r]
 
     def read(self, name, start, n, key):
         # elements [start, start+n) of a saved parameter, from the files that hold them: element e of a saved
         # buffer is in file e // size
         i, offset, size, _ = self.saved[name]
-        if i is None:                       # format 1: a frozen parameter, whole among rank 0's buffers
-            return self(0)["buffers"][name].reshape(-1)[start:start + n] if key == "master" else None
         out, a = [], offset + start
         while a < offset + start + n:
             r = a // size
             b = min(offset + start + n, (r + 1) * size)
-            out.append(self(r)["flats"][i][key][a - r * size:b - r * size])
+            out.append(self(self.writer(i, r))["flats"][i][key][a - r * size:b - r * size])
             a = b
         return torch.cat(out) if len(out) > 1 else out[0]
 
@@ -1919,8 +2112,6 @@ def load(engine, path):
         files.append(_Files(path, (engine.rank, engine.world)))
         f = files[0]
         mine = [(n, tuple(p.shape)) for u in engine.units for x in u.flats for n, p in zip(x.names, x.params)]
-        if f.meta["format"] != FORMAT:      # format 1: frozen parameters whole, among rank 0's buffers
-            f.saved.update({n: (None, 0, 0, list(s)) for n, s in mine if n not in f.saved and n in f(0)["buffers"]})
         missing, extra = [n for n, _ in mine if n not in f.saved], [n for n in f.saved if n not in dict(mine)]
         shapes = [f"{n} {list(s)} vs {f.saved[n][3]}" for n, s in mine if n in f.saved and list(s) != f.saved[n][3]]
         _mismatch("the checkpoint is of another model:", missing, extra, shapes)
@@ -1943,8 +2134,8 @@ def load(engine, path):
                       f"{len(groups)}: the engine's hyperparameters are kept")
     if meta["world_size"] == engine.world:  # the same ranks again: each goes on with its own random stream
         torch.set_rng_state(f(engine.rank)["rng"])
-        if "cuda_rng" in f(engine.rank) and torch.cuda.is_available():
-            torch.cuda.set_rng_state(f(engine.rank)["cuda_rng"])
+        if "cuda_rng" in f(engine.rank) and engine.device.type == "cuda":
+            torch.cuda.set_rng_state(f(engine.rank)["cuda_rng"], engine.device)
     return dict(meta, extra=f(0).get("extra"))
 
 

@@ -9,7 +9,8 @@ grad clip 1.0): DDP + AdamW, DDP + ZeroRedundancyOptimizer and FSDP2
   1. model-state memory per rank: engine.memory() vs zero.estimate_memory vs the
      peers' tensors, and the ZeRO paper's formula at 7.5B and 1T parameters;
   2. communication per step and rank (engine.comm()) vs 2Ψ(N-1)/N and 3Ψ(N-1)/N; hybrid sharding
-     (shard groups of 2 at 4 ranks) against plain stage 3, and the formula at 7.5B on 64 GPUs;
+     (shard groups of 2 at 4 ranks) against plain stage 3, and the formula at 7.5B on 64 GPUs; the engine's
+     own collectives and host syncs per step at 2, 4 and 8 ranks, and their latency at 512 and 4096;
   3. throughput at 2 gloo ranks, as ratios against the peers, with our targets;
   4. CPU AdamW params/s, activation memory with and without recompute, and how
      much of the host update offload hides behind the next forward;
@@ -24,8 +25,10 @@ run are claims; absolute numbers come with the hardware line printed first.
     python bench.py --quick    # a reduced smoke run, under a minute
     python bench.py --baseline OLD.py    # also another zero.py's stages, interleaved (git show HEAD~:zero.py)
 """
-import argparse, datetime, importlib.util, os, platform, queue, socket, statistics, tempfile, time, traceback
-from contextlib import nullcontext
+import argparse, collections, datetime, importlib.util, os, platform, queue, socket, statistics, tempfile, time
+import traceback
+from contextlib import ExitStack, nullcontext
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -403,6 +406,106 @@ def report_hybrid(res, psi, world):
     table(["7.5B / 64 GPUs", "model states per rank (GB)", "inside a node (GB)", "across nodes (GB)"], rows)
 
 
+# the engine's collectives and host syncs, counted at their outermost call (zero's aliases are bound at its import)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce_coalesced", "broadcast", "reduce",
+               "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+               "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv", "new_group")
+SYNCS = [(torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.cuda, "synchronize"),
+         (torch.cuda.Event, "synchronize")]
+OVERHEAD_CASES = [(s, 1) for s in range(4)] + [(3, 2)]    # (stage, accum_steps)
+
+
+def overhead_job(rank, world, o):
+    """Per optimizer step of each (stage, accum): the engine's collectives (data: a unit's all-gather or
+    reduce-scatter, stage 0's all-reduce of a unit's gradient; the rest overhead), its host syncs, the time."""
+    st, count = dict(on=False, measure=False, depth=0, padded=set()), collections.Counter()
+
+    def counted(f, name):
+        def call(*a, **k):
+            if st["on"] and not st["depth"]:       # the outermost call, made while the engine runs
+                data = any(w in name for w in ("all_gather", "reduce_scatter", "all_reduce")) and any(
+                    torch.is_tensor(t) and t.is_floating_point() and t.numel() in st["padded"] for t in a[:2])
+                count["sync" if name in ("tolist", "item", "synchronize") else "data" if data else "other"] += 1
+            st["depth"] += 1
+            try:
+                return f(*a, **k)
+            finally:
+                st["depth"] -= 1
+        return call
+
+    def engine(fn, *a):                             # only the engine's calls count, not the script's own
+        st["on"] = st["measure"]
+        try:
+            return fn(*a)
+        finally:
+            st["on"] = False
+
+    def one(stage, accum):
+        model = make_gpt(o["tput_preset"], n_embd=o["tput_embd"], block_size=o["oh_T"])
+        eng = zero.Zero(model, zero.Config(stage=stage, dtype="fp32", accum_steps=accum, **OPT))
+        xy, times = batch(model, o["oh_B"], rank), []
+        st["padded"] = {f.padded for u in eng.units for f in u.flats}     # (frozen flats too)
+        count.clear()
+        for i in range(5):                          # 2 warm-up steps, 3 measured
+            st["measure"] = i >= 2
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(accum):
+                loss = engine(eng, *xy)
+                engine(eng.backward, loss)
+            engine(eng.step)
+            loss.item()                             # the script's own sync: not counted
+            times.append(time.perf_counter() - t)
+        return {k: count[k] / 3 for k in ("other", "sync", "data")}, statistics.median(times[2:]) * 1e3
+
+    out = {}
+    targets = [(dist, n) for n in COLLECTIVES if hasattr(dist, n)] + SYNCS + \
+        [(zero, n) for n in ("_all_gather", "_reduce_scatter", "_all_reduce", "_broadcast")]
+    with ExitStack() as stack:
+        for obj, n in targets:
+            stack.enter_context(mock.patch.object(obj, n, counted(getattr(obj, n), n)))
+        for case in OVERHEAD_CASES:
+            r, err = agreed(one, *case)
+            every = [None] * world
+            dist.all_gather_object(every, r and r[0])
+            out[case] = err or (r[0], r[1], all(e == r[0] for e in every))
+    return out
+
+
+def report_overhead(res, o):
+    print(f"### 2c. The engine's own per-step overhead: tiny GPT n_embd={o['tput_embd']} with "
+          f"block_size={o['oh_T']}, fp32, {o['oh_B']} x {o['oh_T']} tokens per rank, gloo ranks x 1 thread\n")
+    print("Per optimizer step and rank, the mean of 3 steps after 2 warm-up steps, counted while the engine's "
+          "forward, backward and step run (not the script's barriers and loss.item()): `data` are a unit's "
+          "all-gathers and reduce-scatters and stage 0's all-reduces of a unit's gradient (a float tensor of a "
+          "unit's padded size); "
+          "`other collectives` every other outermost call of torch.distributed's functions or zero's aliases; "
+          "`host syncs` the calls of Tensor.tolist, Tensor.item, torch.cuda.synchronize and Event.synchronize. "
+          f"Step time: rank 0's median, the ranks sharing {os.cpu_count()} cores.\n")
+    rows = []
+    for n, cases in res.items():
+        for (stage, accum), r in cases.items():
+            if isinstance(r, str):
+                rows.append([n, stage, accum, f"failed: {r}", "", "", "", ""])
+                continue
+            c, ms, same = r
+            rows.append([n, stage, accum, f"{c['other']:g}", f"{c['sync']:g}", f"{c['data']:g}", f"{ms:.1f}",
+                         "yes" if same else "NO"])
+    table(["ranks", "stage", "accum_steps", "other collectives", "host syncs", "data collectives", "step ms",
+           "counts equal on all ranks"], rows)
+    ms = lambda x: f"{x:.2f}" if x < 1 else f"{x:,.0f}"      # noqa: E731
+    lat = lambda hops: f"{ms(hops * 0.01)}-{ms(hops * 0.05)} ms"   # noqa: E731  hops of 10-50 µs
+    big = (512, 4096)
+    print("At scale, latency only, a hop 10-50 µs: the previous engine's rendezvous, an all-gather (a ring: N-1 "
+          "hops) on a gloo control group at every forward, backward and step, 2·accum+1 per step at stage 3, cost "
+          + "; ".join(f"N={n}: {lat(3 * (n - 1))} per step at accum 1, {lat(5 * (n - 1))} at accum 2" for n in big)
+          + ". The one fp64 all-reduce now, assuming recursive doubling (log2 N hops): "
+          + ", ".join(f"N={n}: {lat(n.bit_length() - 1)}" for n in big) + "; assuming a ring (2(N-1) hops): "
+          + ", ".join(f"N={n}: {lat(2 * (n - 1))}" for n in big) + " per step, at any accum.\n")
+
+
 def report_tput(res, o):
     print(f"### 3. Throughput: tiny GPT n_embd={o['tput_embd']} ({o['tput_psi'] / 1e6:.1f}M params), 2 gloo ranks "
           f"x 1 thread, {o['B']} seqs x {o['T']} tokens per rank\n")
@@ -688,7 +791,7 @@ def main():
         print(f"**import zero failed** ({ZERO_ERR}): only the peers are measured\n")
     zeros = [f"zero{s}" for s in range(4)]
     o = dict(mem_preset="tiny", tput_preset="tiny", tput_embd=256, T=train_gpt.PRESETS["tiny"][3],
-             B=2 if quick else 16, off_B=2, warmup=1 if quick else 2, rounds=1 if quick else 16,
+             B=2 if quick else 16, off_B=2, oh_B=1, oh_T=32, warmup=1 if quick else 2, rounds=1 if quick else 16,
              mem_variants=[("ddp", "fp32"), ("zero-opt", "fp32"), ("fsdp2", "fp32"), ("fsdp2", "bf16")]
              + [(z, d) for d in ("fp32", "bf16") for z in zeros] + [("zero2+off", "bf16"), ("zero3+off", "bf16")],
              tput_variants=[(v, d) for d in ("fp32", "bf16") for v in ["ddp", "zero-opt", "fsdp2"] + zeros
@@ -711,6 +814,13 @@ def main():
         section(report_hybrid, spawn(hybrid_job, 4, (o,), timeout=300), psi, 4)
     except Exception as e:
         print(f"**the 4-rank hybrid job failed:**\n```\n{e}\n```\n")
+    overhead = {}
+    for n in (2,) if quick else (2, 4, 8):
+        try:
+            overhead[n] = spawn(overhead_job, n, (o,), timeout=300)
+        except Exception as e:
+            print(f"**the {n}-rank overhead job failed:**\n```\n{e}\n```\n")
+    section(report_overhead, overhead, o)
     section(report_adam, [1_000_000] if quick else [10_000_000, 50_000_000, 200_000_000], 2 if quick else 7)
     section(report_activations, o)
     section(report_offload, o)

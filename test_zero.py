@@ -10,8 +10,11 @@ many cases share one spawn to keep the suite within a few minutes on 2 cores.
 """
 
 import collections
+import contextlib
 import copy
 import dataclasses
+import functools
+import gc
 import io
 import json
 import math
@@ -22,9 +25,11 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -315,13 +320,16 @@ TOL = {"fp32": dict(loss=1e-5, norm=1e-5, upd=1e-4),
        "fp16": dict(loss=2e-3, norm=5e-3, upd=0.05)}
 
 
-# 16-bit compute against the 16-bit reference (reference16), whose only difference from the engine is where
-# the gradients are summed. Measured (4 steps, world 1-3): with reduce_dtype="fp32" the update is within 3.6e-6
-# of it (relative), the loss and the norm within 6e-8; reduced in 16 bits, the update within 1.2e-3 / 1.0e-2
-# (bf16 at 2 / 3 ranks) and 2.2e-4 (fp16), loss and norm within 8e-4. An fp32 master overwritten by its own
-# 16-bit rounding after each update moves the update by 7.6e-2 (bf16) and 6.4e-3 (fp16).
-TOL16 = {("bf16", ""): dict(loss=3e-3, norm=3e-3, upd=3e-2), ("fp16", ""): dict(loss=3e-3, norm=3e-3, upd=1e-3),
-         ("bf16", "fp32"): dict(loss=1e-6, norm=1e-6, upd=1e-4), ("fp16", "fp32"): dict(loss=1e-6, norm=1e-6, upd=1e-4)}
+# 16-bit compute against the 16-bit reference (reference16), which does the engine's arithmetic in one process.
+# Its forward and backward run the same 16-bit kernels only on some CPUs (the engine's parameters are views into
+# flat buffers, and bf16 kernels are chosen by alignment and ISA), so the margins are a 16-bit rounding's, never
+# bitwise equality, with fp32 reductions too; the reductions' own exactness is tested from the gradients they sum
+# (test_fp32_reductions_are_exact_sums_of_the_16_bit_gradients). Measured (4 steps, world 1-3, reduced in 16
+# bits): the update within 1.2e-3 / 1.0e-2 (bf16 at 2 / 3 ranks) and 2.2e-4 (fp16), loss and norm within 8e-4.
+# An fp32 master overwritten by its own 16-bit rounding after each update moves the update by 7.6e-2 (bf16) and
+# 6.4e-3 (fp16); the 40-step run at a small lr below sees it by how far the weights move.
+TOL16 = {(d, red): tol for d, tol in (("bf16", dict(loss=3e-3, norm=3e-3, upd=3e-2)),
+                                      ("fp16", dict(loss=3e-3, norm=3e-3, upd=1e-3))) for red in ("", "fp32")}
 
 
 def _parity_cases(rank, world, dtypes):
@@ -1426,6 +1434,7 @@ def _ulps(a, b):
 
 def test_cpu_adamw_kernel_is_torchs_fused_adamw():
     n = 3 * zero.MIN_PER_THREAD + 12345          # several threads' blocks, and an odd tail
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
     assert zero._cpu_kernel() is not None, "no C compiler here: the kernel is not tested"
     for grad_dtype, out_dtype, mult in [(g, o, m) for g in (torch.float32, torch.bfloat16)
@@ -1436,10 +1445,12 @@ def test_cpu_adamw_kernel_is_torchs_fused_adamw():
             zero.adamw_step(*ours[:1], ours[1].clone(), *ours[2:], step, 1e-3, 0.9, 0.95, 1e-8, 0.1, mult, out)
             zero._torch_adamw(*ref[:1], ref[1].clone(), *ref[2:], step, 1e-3, 0.9, 0.95, 1e-8, 0.1, mult, ref_out)
         for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), (ours[0], ours[2], ours[3]), (ref[0], ref[2], ref[3])):
-            # bit for bit, but for the few elements of torch's scalar tail, which skips a fused multiply-add
-            assert _ulps(a, b) <= 4 and (a != b).sum() <= 16, (grad_dtype, out_dtype, mult, name, _ulps(a, b))
+            # within a few units of the last place: torch vectorises (and fuses multiply-adds) by the CPU's ISA,
+            # so bit-for-bit equality would hold on some CPUs only
+            assert _ulps(a, b) <= 4, (grad_dtype, out_dtype, mult, name, _ulps(a, b))
         if out is not None:
             assert torch.equal(out, ours[0].to(out_dtype))   # the copy is the master's rounding, exactly
+    torch.set_num_threads(threads)
 
 
 def test_cpu_adamw_without_a_compiler_warns_once_and_uses_torch(tmp_path):
@@ -1901,7 +1912,7 @@ def test_bench_quick_runs():
     """bench.py --quick as a smoke test: it runs and prints its tables (timings are not asserted)."""
     r = subprocess.run([sys.executable, "bench.py", "--quick", "--baseline", "zero.py"], cwd=HERE, text=True,
                        capture_output=True,
-                       timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for title in ("Model-state memory", "Communication per step", "Throughput", "CPU AdamW", "Activation memory",
                   "Offload"):
@@ -2011,7 +2022,7 @@ class Probe:
         self.peak[phase] = (max(g, grads), max(p, params))
 
 
-def reference_run(build, batches, steps, world, per, accum=1, lr=LR, loss_of=lambda out: out):
+def reference_run(build, batches, steps, world, per, accum=1, lr=LR, loss_of=lambda out: out, clip=1.0):
     """Single-process plain AdamW (zero's default groups: decay on >= 2-D tensors) + clip_grad_norm_ on the
     global batch, each rank's slice and micro-batch run as the engine's ranks run them."""
     torch.manual_seed(0)
@@ -2032,7 +2043,7 @@ def reference_run(build, batches, steps, world, per, accum=1, lr=LR, loss_of=lam
                 (loss / (world * accum)).backward()
                 total += loss.item() / (world * accum)
         norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                          1.0)))
+                                                          clip)))
         opt.step()
         losses.append(total)
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -2463,33 +2474,51 @@ def test_meta_model_without_an_initializer_takes_pretrained_weights(tmp_path):
     _check_parity(out["run"], "fp32", ref, "meta LoRANet + load_state_dict", init=lora().state_dict())
 
 
-# gradients reduced in fp32: at 8 ranks with accumulation, bf16 sums round at every hop and micro-batch
+# gradients reduced in fp32: at 8 ranks with accumulation, bf16 sums round at every hop and micro-batch. What is
+# tested is the reductions' own arithmetic: the reduced gradient shard against the exact (fp64) sum of the very
+# 16-bit gradients every rank passed to its reduce-scatters, whatever kernels produced them on this CPU
 
 def _reduce_cases(rank, world):
-    out = {}
+    out, real = {}, zero._reduce_scatter
     for red in ("", "fp32"):
         cfg = zero.Config(stage=2, dtype="bf16", reduce_dtype=red, lr=LR, accum_steps=4)
         out[red] = train(rank, world, cfg, STEPS, 32, dict(d=32, h=64))
+        torch.manual_seed(0)
+        engine, sent = zero.Zero(make_model(d=32, h=64), cfg), []
+        zero._reduce_scatter = lambda o, i, **kw: (sent.append(i.double().clone()), real(o, i, **kw))[1]
+        try:
+            xs, ys = make_batches(1, 32)
+            for m in range(4):              # one step's 4 micro-batches on this rank's slice of 4 samples
+                sl = slice(rank * 4 + m, rank * 4 + m + 1)
+                engine.backward(engine(xs[0, sl], ys[0, sl])["loss"])
+        finally:
+            zero._reduce_scatter = real
+        shards = [u.train.grad_shard.double().clone() for u in engine.sched.launch]
+        out[("sums", red)] = dict(sent=sent, shards=shards, bounds=[(u.train.lo, u.train.hi) for u in
+                                                                    engine.sched.launch])
     return out
 
 
-def test_fp32_reductions_are_closer_to_fp32():
-    res = _spawn_once(_eight_ranks, 8, EIGHT)[0]["reduce"]
-    ref = reference(STEPS, 32, zero.Config(lr=LR), d=32, h=64)
-    ref16 = reference16(STEPS, 32, 8, zero.Config(dtype="bf16", lr=LR), accum=4, d=32, h=64)
-    init = make_model(d=32, h=64).state_dict()
-    keys = [k for k in init if k not in ("pos", "gain")]
-    upd = lambda d: torch.cat([(d[k] - init[k]).flatten() for k in keys])   # noqa: E731
-    err = {red: (_max_rel(upd(r["sd"]), upd(ref[2])), _max_rel(upd(r["sd"]), upd(ref16[2]))) for red, r in res.items()}
-    # the same 16-bit gradients, summed: fp32 reductions are the exact sums' to rounding (1.4e-7 measured); bf16
-    # ones round at every hop and micro-batch (1.6e-2). Against fp32 training both are ~3% off, by the bf16
-    # forward and backward: the reductions' share does not show there at this size (see the README)
-    assert err["fp32"][1] < 1e-4 and err[""][1] > 3e-3, err
-    for red, r in res.items():
+def test_fp32_reductions_are_exact_sums_of_the_16_bit_gradients():
+    res = [r["reduce"] for r in _spawn_once(_eight_ranks, 8, EIGHT)]
+    err = {}
+    for red in ("", "fp32"):
+        units = len(res[0][("sums", red)]["shards"])
+        worst = 0.0
+        for r, x in enumerate(res):
+            for j, ((lo, hi), shard) in enumerate(zip(x[("sums", red)]["bounds"], x[("sums", red)]["shards"])):
+                # every rank's inputs to the j-th reduce-scatter of each micro-batch, summed exactly
+                exact = sum(y[("sums", red)]["sent"][m * units + j][lo:hi] for y in res for m in range(4))
+                worst = max(worst, ((shard - exact).norm() / exact.norm().clamp_min(1e-30)).item())
+        err[red] = worst
+    # fp32: the exact sum to fp32's rounding of 32 terms; bf16: rounded at every hop and micro-batch
+    assert err["fp32"] < 1e-6 and err[""] > 1e-3, err
+    for red in ("", "fp32"):
+        r = res[0][red]
         want = zero.estimate_memory(r["psi_padded"], 8, 2, "bf16", reduce_dtype=red, frozen_params=r["frozen"])
         assert r["mem"] == want, (red, r["mem"], want)
         assert r["comm"]["reduce_scatter"]["bytes"] == r["comm"]["reduce_scatter"]["elements"] * (4 if red else 2)
-    print("update error vs fp32 / vs reference16:", err)
+    print("reduced gradient vs the exact sum of the same 16-bit gradients:", err)
 
 
 # experts without tokens: a unit whose missing gradients will not come is freed when the schedule passes it
@@ -2590,7 +2619,7 @@ def _ddp_habits(rank, world, stage, ckpt):
     out, raw = {}, Chat()
     opt = raw.configure_optimizers(LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WARMUP)      # made on the script's optimizer, before wrapping
-    model = zero.Zero(raw, zero.Config(stage=stage, dtype="float32", timeout_s=30), optimizer=opt)
+    model = zero.Zero(raw, zero.Config(stage=stage, dtype="float32", timeout_s=4), optimizer=opt)
     xs, ys = make_batches(STEPS, BATCH)
     per, losses = BATCH // world, []
     for s in range(STEPS):
@@ -2620,7 +2649,7 @@ def _ddp_habits(rank, world, stage, ckpt):
     # the script's own state in the checkpoint, committed with it
     zero.save(model, ckpt, extra=dict(iter_num=STEPS, best_val_loss=1.25, model_args=dict(n_layer=3)))
     out["extra"] = zero.load(model, ckpt)["extra"]
-    # a collective-taking call on rank 0 only: both ranks hear of it within seconds
+    # a collective-taking call on rank 0 only: both ranks hear of it when the wait's deadline (timeout_s) passes
     if rank == 0:
         out["rank0 only"] = _raises(model.full_state_dict, match="rank 0: full_state_dict()")
     else:
@@ -2660,6 +2689,64 @@ def test_a_ddp_script_ported_in_a_few_lines(tmp_path):
         assert torch.equal(res[0]["generated"], res[1]["generated"])
     mistakes = spawn(_ddp_mistakes, 1)[0]
     assert set(mistakes) == {"divided", "multiplied", "stale", "amsgrad", "sgd"}
+
+
+def _script_calls(rank, world, stage):
+    """A DDP script's own calls on the engine: torch.nn.utils.clip_grad_norm_(model.parameters(), c) and
+    model = torch.compile(model) after wrapping; an evaluation split unevenly over the ranks."""
+    out, xs, ys = {}, *make_batches(STEPS, 2 * world)
+    sl = slice(2 * rank, 2 * rank + 2)
+    torch.manual_seed(0)
+    model = torch.compile(zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR)), backend="eager")
+    out["compiled is the engine"] = isinstance(model, zero.Zero)
+    losses, norms = [], []
+    for s in range(STEPS):
+        model.train()
+        loss = model(xs[s, sl], ys[s, sl])["loss"]
+        model.backward(loss)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)))   # DDP's clip, as DDP's
+        model.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        model.eval()
+    out["run"] = dict(losses=losses, norms=norms, oks=[True] * STEPS, sd=model.full_state_dict())
+    out["engine norms"] = model.grad_norm
+    loss = model(xs[0, sl], ys[0, sl])["loss"]
+    model.backward(loss)
+    some = list(model.module.blocks[0].parameters())
+    out["some"] = _raises(torch.nn.utils.clip_grad_norm_, some, 1.0, match="pass model.parameters()")
+    out["norm_type"] = _raises(model.clip_grad_norm_, 1.0, 1.0, match="norm_type")
+    model.step()
+    # HellaSwag's i % world == rank over an odd count: rank 0 makes one forward more; the error says so
+    if stage == 3:
+        engine = zero.Zero(make_model(), zero.Config(stage=3, dtype="fp32", lr=LR, timeout_s=3))
+        t = time.monotonic()
+        try:
+            with torch.no_grad():
+                for i in range(rank, 5, world):
+                    engine(xs[0, sl], ys[0, sl])
+            engine.backward(engine(xs[0, sl], ys[0, sl])["loss"])
+            engine.step()
+            out["uneven"] = None
+        except RuntimeError as e:
+            out["uneven"] = (time.monotonic() - t, str(e))
+    return out
+
+
+def test_a_ddp_scripts_clip_grad_norm_and_compile_after_wrapping():
+    ref = reference_run(make_model, tiny_batches, STEPS, 2, 2, loss_of=lambda out: out["loss"], clip=0.25)
+    for stage in range(4):
+        out = spawn(_script_calls, 2, stage)
+        r = out[0]
+        assert r["compiled is the engine"], stage
+        # the norm torch's clip_grad_norm_ returns is the true global norm, and the step clips at the script's c
+        _check_parity(r["run"], "fp32", ref, f"clip_grad_norm_(..., 0.25) and torch.compile, stage {stage}")
+        assert r["engine norms"] == pytest.approx(ref[1][-1], rel=1e-5)
+        if stage == 3:                      # within timeout_s (3 s) and the reading of the others' calls
+            for rank, o in enumerate(out):
+                assert o["uneven"] is not None and o["uneven"][0] < 3 + 5, (rank, o["uneven"])
+                assert "rank 0 made 1 no_grad forward() more than rank 1" in o["uneven"][1], (rank, o["uneven"][1])
 
 
 # -----------------------------------------------------------------------------
@@ -2711,3 +2798,794 @@ def test_torch_compile_breaks_graphs_only_at_units():
             assert len(r["graphs"]) == 4 and len(blocks) == 1, (stage, r["graphs"])
         else:                            # torch 2.4 compiles each block on its own and the root's pieces not at all
             assert len(blocks) == 3, (stage, r["graphs"])
+
+
+# -----------------------------------------------------------------------------
+# thousands of ranks: no cross-rank call per forward or backward besides the units' gathers and reductions, one
+# small all-reduce per optimizer step, and a step fingerprint that stays exact at any number of ranks
+
+DIST_CALLS = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+              "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single",
+              "gather", "scatter", "reduce", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+              "gather_object", "scatter_object_list", "monitored_barrier", "new_group")
+
+
+class CallCounter:
+    """torch.distributed's cross-rank functions and zero's aliases wrapped: every outermost call made while
+    `on`, as (function, numel, dtype), so that a unit's gathers and reductions can be told from the rest."""
+
+    def __init__(self):
+        self.on, self.calls, self.depth, self.real = False, [], 0, {}
+        for mod, names in ((dist, DIST_CALLS), (zero, ("_all_gather", "_reduce_scatter", "_all_reduce", "_broadcast"))):
+            for n in names:
+                if hasattr(mod, n):
+                    self.real[(mod, n)] = getattr(mod, n)
+                    setattr(mod, n, self._wrap(n, getattr(mod, n)))
+
+    def _wrap(self, name, fn):
+        def call(*args, **kw):
+            if self.on and self.depth == 0:
+                t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                self.calls.append((name.strip("_"), t.numel() if t is not None else 0, str(t.dtype) if t is not None
+                                   else ""))
+            self.depth += 1
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.depth -= 1
+        return call
+
+    def close(self):
+        for (mod, n), fn in self.real.items():
+            setattr(mod, n, fn)
+
+
+def _count_cases(rank, world, cases):
+    counter, out = CallCounter(), {}
+    try:
+        for stage, accum, offload, k in cases:
+            torch.manual_seed(0)
+            engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=accum,
+                                                         offload=offload, shard_group=k))
+            xs, ys = make_batches(4, 2 * world * accum)
+            unit_sizes = {u.train.padded for u in engine.units if u.train}
+            shard_sizes = {u.train.padded // (k or world) for u in engine.units if u.train}
+            per_step, per_micro = [], []
+            for s in range(4):
+                counter.on, counter.calls = s >= 2, []      # steady steps: after the first backward's learning
+                for m in range(accum):
+                    sl = slice((rank * accum + m) * 2, (rank * accum + m) * 2 + 2)
+                    loss = engine(xs[s, sl], ys[s, sl])["loss"]
+                    engine.backward(loss)
+                    if counter.on:
+                        per_micro.append(list(counter.calls))
+                        counter.calls = []
+                engine.step()
+                if counter.on:
+                    per_step.append(list(counter.calls))
+            data = lambda c: c[0] in ("all_gather", "reduce_scatter") or (c[0] == "all_reduce" and c[2] ==   # noqa
+                                                                        "torch.float32" and c[1] in unit_sizes)
+            replica = lambda c: c[0] == "all_reduce" and c[2] == "torch.float32" and c[1] in shard_sizes   # noqa
+            out[(stage, accum, offload, k)] = dict(
+                micro=[[c for c in x if not data(c) and not (k and replica(c))] for x in per_micro],
+                step=[[c for c in x if not data(c) and not (k and replica(c))] for x in per_step],
+                replica=[sum(1 for c in x if k and replica(c)) for x in per_step + per_micro],
+                units=sum(1 for u in engine.units if u.train))
+    finally:
+        counter.close()
+    return out
+
+
+COUNT_CASES = [(s, a, off, 0) for s in range(4) for a in (1, 3) for off in (False, True) if s or not off]
+
+
+@pytest.mark.parametrize("world,cases", [(2, COUNT_CASES), (4, [(s, a, off, 2) for s in (1, 2, 3) for a in (1, 3)
+                                                                for off in (False, True)])])
+def test_nothing_per_step_grows_with_the_number_of_ranks(world, cases):
+    for case, r in spawn(_count_cases, world, cases)[0].items():
+        # no cross-rank call of the engine's own in a forward or backward; one small all-reduce per step
+        assert all(not x for x in r["micro"]), (case, r["micro"])
+        assert all(len(x) == 1 and x[0][0] == "all_reduce" and x[0][2] == "torch.float64" for x in r["step"]), \
+            (case, r["step"])
+        if case[3]:                          # hybrid: one replica all-reduce per unit and step
+            assert sum(r["replica"]) == 2 * r["units"], (case, r["replica"])
+
+
+def test_the_step_fingerprint_is_exact_at_thousands_of_ranks():
+    # each rank adds its 4 integers and their squares; summed in fp64 in any ring order (NCCL's ring adds each
+    # chunk starting at another rank), healthy steps always agree and one rank that differs is always seen
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for n in (4096, 8192):
+        for trial in range(200):
+            fps = np.array([zero.fingerprint([("all_gather", 3), ("step", trial)])] * n, dtype=np.float64)
+            if trial % 2:
+                fps[rng.integers(n)] = zero.fingerprint([("all_gather", 4), ("step", trial)])
+            order = np.roll(rng.permutation(n), rng.integers(n))
+            s, q = np.zeros(4), np.zeros(4)
+            for i in order:                 # sequential fp64 adds, as a ring does them
+                s += fps[i]
+                q += fps[i] * fps[i]
+            agree = all(a * a == n * b for a, b in zip(s, q))
+            assert agree == (trial % 2 == 0), (n, trial)
+    # the old fingerprint (f < 2^21, f and f^2 in one fp64 each) lost bits past 2048 ranks: N f^2 > 2^53
+    assert 4096 * (2 ** 21 - 1) ** 2 > 2 ** 53
+
+
+def test_fp16_means_over_32768_gradients_neither_underflow_nor_overflow():
+    # 4096 ranks x 8 micro-batches: each part divided by pre in fp16 before the sum, the sum by n / pre after
+    n = 32768
+    pre, post = zero.divide_factors(n)
+    assert pre * post == n and pre == 128
+    g = torch.Generator().manual_seed(0)
+    small = torch.exp2(torch.empty(n, 64).uniform_(-12, -10, generator=g)).half()   # scaled fp16 gradients
+    large = torch.exp2(torch.empty(n, 64).uniform_(5, 7, generator=g)).half()
+    for parts in (small, large):
+        exact = parts.double().mean(0)
+        # what fp16 keeps of each part once divided, summed exactly (the ring's own rounding aside)
+        mean = lambda first: (parts * (1.0 / first)).half().double().sum(0) * (first / n)   # noqa: E731
+        err = lambda x: ((x - exact).abs() / exact).max().item()                           # noqa: E731
+        assert err(mean(pre)) < 2e-3, err(mean(pre))
+        # the largest partial sum any ring order reaches, in fp16's range
+        assert (parts * (1.0 / pre)).double().abs().sum(0).max() < 65504
+    # dividing by n first: 2^-12 / 2^15 is below fp16's smallest subnormal, 2^-24: the small parts are gone
+    assert (small * (1.0 / n)).half().count_nonzero() == 0
+
+
+# a parameter that escapes its block on one rank only, after the first backward learned the schedule: that rank
+# keeps the unit whole but launches its reduction in its turn, so that every rank's order stays one; from the next
+# step on every rank keeps it whole and reduces it last (agreed by the step's all-reduce)
+
+class SometimesReturned(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc, self.scale, self.late = nn.Linear(d, d), nn.Parameter(torch.linspace(0.5, 1.5, d)), False
+
+    def forward(self, x):
+        return (self.fc(x), self.scale) if self.late else (self.fc(x) * self.scale, None)
+
+
+class LateEscape(nn.Module):
+    def __init__(self, vocab=29, d=14):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList([Block(d, 24), SometimesReturned(d), Block(d, 24)])
+
+    def forward(self, idx, targets):
+        y, scale = self.blocks[1](self.blocks[0](self.emb(idx)))
+        x = self.blocks[2](y * scale if scale is not None else y)
+        return F.cross_entropy(self.head(x).view(-1, 29), targets.reshape(-1))
+
+
+def _late_escape(rank, world):
+    out = {}
+    for stage in range(4):
+        torch.manual_seed(0)
+        engine = zero.Zero(LateEscape(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+        xs, ys = make_batches(4, 2 * world)
+        for s in range(4):
+            engine.module.blocks[1].late = rank == 1 and s >= 1
+            engine.backward(engine(xs[s, 2 * rank:2 * rank + 2], ys[s, 2 * rank:2 * rank + 2]))
+            engine.step()
+        out[stage] = dict(sd=engine.full_state_dict(), kept=sorted(engine.sched.keep))
+    return out
+
+
+def test_a_parameter_escaping_on_one_rank_after_the_first_step_keeps_one_order():
+    torch.manual_seed(0)
+    model = LateEscape()
+    ref = copy.deepcopy(model)
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    opt = torch.optim.AdamW([dict(params=decay), dict(params=[p for p in ref.parameters() if p.dim() < 2],
+                                                      weight_decay=0.0)], lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    xs, ys = make_batches(4, 4)
+    for s in range(4):
+        opt.zero_grad()
+        for r in range(2):
+            ref.blocks[1].late = r == 1 and s >= 1      # the same arithmetic either way
+            (ref(xs[s, 2 * r:2 * r + 2], ys[s, 2 * r:2 * r + 2]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+    want = ref.state_dict()
+    res = spawn(_late_escape, 2)
+    for stage in range(4):
+        for k, v in want.items():
+            assert torch.allclose(res[0][stage]["sd"][k], v, atol=1e-5, rtol=1e-5), (stage, k)
+        if stage == 3:                      # agreed after the step where rank 1 saw it: both keep it now
+            assert res[0][stage]["kept"] == res[1][stage]["kept"] == [1], [r[stage]["kept"] for r in res]
+
+
+# -----------------------------------------------------------------------------
+# shared: a training loop and its single-process reference where one micro-batch may call the model several
+# times (fwd(f, x, y) -> loss, f the engine or the plain model), each case caught so that every failing case is
+# named
+
+def _loss(out):
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def fwd_once(f, x, y):
+    return _loss(f(x, y))
+
+
+def fwd_halves(f, x, y):            # the two halves of a micro-batch, one backward
+    h = x.shape[0] // 2
+    return (_loss(f(x[:h], y[:h])) + _loss(f(x[h:], y[h:]))) / 2
+
+
+def fwd_sum(f, x, y):               # loss = model(x1) + model(x2)
+    return _loss(f(x, y)) + _loss(f(x.flip(1), y.flip(1)))
+
+
+def fwd_no_grad(f, x, y):           # a metric, or a teacher, between the training forward and its backward
+    loss = _loss(f(x, y))
+    with torch.no_grad():
+        f(x.flip(1), y.flip(1))
+    return loss
+
+
+FWDS = dict(once=fwd_once, halves=fwd_halves, sum=fwd_sum, no_grad=fwd_no_grad)
+
+
+@contextlib.contextmanager
+def one_thread():
+    # this process's own training (the references) on one thread, as each rank has: torch's two threads on 2
+    # busy cores spin and wait on each other, 30x slower for these tiny models
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def reference_calls(build, fwd, steps, world, per, accum=1):
+    """reference_run (plain AdamW, zero's default groups, clip at 1.0, each rank's slice and micro-batch as the
+    engine's ranks run them), the micro-batch's loss from fwd(model, x, y)."""
+    with one_thread():
+        return _reference_calls(build, fwd, steps, world, per, accum)
+
+
+def _reference_calls(build, fwd, steps, world, per, accum):
+    torch.manual_seed(0)
+    model = build()
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    xs, ys = tiny_batches(steps, world, per)
+    losses, norms, mb = [], [], per // accum
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(world):
+            for m in range(accum):
+                sl = slice(r * per + m * mb, r * per + (m + 1) * mb)
+                loss = fwd(model, xs[s, sl], ys[s, sl])
+                (loss / (world * accum)).backward()
+                total += loss.item() / (world * accum)
+        norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                          1.0)))
+        opt.step()
+        losses.append(total)
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_calls(engine, fwd, steps, rank, world, per, start=0, group=None):
+    """engine_run, the micro-batch's loss from fwd(engine, x, y); steps [start, start + steps) of the data;
+    `group`: the engine's process group (the losses are averaged in it)."""
+    accum = engine.cfg.accum_steps
+    xs, ys = tiny_batches(start + steps, world, per)
+    losses, norms, mb = [], [], per // accum
+    for s in range(start, start + steps):
+        total = 0.0
+        for m in range(accum):
+            sl = slice(rank * per + m * mb, rank * per + (m + 1) * mb)
+            loss = fwd(engine, xs[s, sl], ys[s, sl])
+            engine.backward(loss)
+            total += loss.item() / accum
+        engine.step()
+        t = torch.tensor(total)
+        if world > 1:
+            dist.all_reduce(t, group=group)
+        losses.append(t.item() / world)
+        norms.append(engine.grad_norm)
+    return dict(losses=losses, norms=norms, oks=[True] * steps, sd=engine.full_state_dict())
+
+
+def _caught(fn, *args):
+    # a case that raises is recorded (its last line) and the next one runs: both ranks raise alike
+    try:
+        return fn(*args)
+    except Exception as e:
+        return dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:400])
+
+
+def _check_cases(res, check):
+    # check(case, result) on every case; one error naming every case that failed, and how
+    failed = {}
+    for case, r in res.items():
+        if "error" in r:
+            failed[case] = r["error"]
+            continue
+        try:
+            check(case, r)
+        except AssertionError as e:
+            failed[case] = str(e).splitlines()[0][:300]
+    assert not failed, f"{len(failed)} of {len(res)} cases failed:\n" + "\n".join(f"{k}: {v}" for k, v in
+                                                                                  failed.items())
+
+
+def _cfg(stage, accum=1, ck=False, off=False, **kw):
+    return zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=accum, checkpoint=ck, offload=off, timeout_s=30,
+                       **kw)
+
+
+# (stage, accum_steps, checkpoint, offload) of items A, B, C: stages 0-3 at accum 1 and 2, recompute at every
+# stage, offload at stages 1-3, and both at stage 3
+VARIANTS = [(s, a, False, False) for s in range(4) for a in (1, 2)] + [(s, 1, True, False) for s in range(4)] \
+    + [(s, 2, False, True) for s in (1, 2, 3)] + [(3, 2, True, True)]
+
+
+# the 2-rank cases of items A, B, C, E, F, G share one spawn (a process's start costs more than its cases)
+ITEMS_DIR = os.path.join(tempfile.gettempdir(), f"zero_test_items24_{os.getpid()}")
+_SHARED = {}
+
+
+def _two_rank_items(rank, world, root):
+    return dict(frozen_block=_frozen_block_cases(rank, world), calls=_call_cases(rank, world, CALL_MODELS),
+                no_grad=_call_cases(rank, world, ["no_grad"]),
+                load_into_trained=_load_into_trained_cases(rank, world, os.path.join(root, "e")),
+                frozen_dtype=_frozen_dtype_cases(rank, world, os.path.join(root, "f")),
+                freed=_freed_cases(rank, world))
+
+
+def two_rank_items(item):
+    """Every rank's results of `item` from the one spawn of 2 ranks (made once; a failed spawn fails each)."""
+    if "res" not in _SHARED:
+        try:
+            _SHARED["res"] = spawn(_two_rank_items, 2, ITEMS_DIR)
+        except AssertionError as e:
+            _SHARED["res"] = e
+    if isinstance(_SHARED["res"], AssertionError):
+        raise _SHARED["res"]
+    return [r[item] for r in _SHARED["res"]]
+
+
+# -----------------------------------------------------------------------------
+# A. a block whose parameters are all frozen ("freeze the lower N layers")
+
+def frozen_lower():
+    model = make_model()
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
+def _frozen_block_cases(rank, world):
+    out = {}
+    for stage, accum, ck, off in VARIANTS:
+        def case():
+            torch.manual_seed(0)
+            engine = zero.Zero(frozen_lower(), _cfg(stage, accum, ck, off))
+            return engine_calls(engine, fwd_once, STEPS, rank, world, 4)
+        out[(stage, accum, ck, off)] = _caught(case)
+    return out
+
+
+def test_a_block_whose_parameters_are_all_frozen_trains_like_adamw():
+    res = two_rank_items("frozen_block")[0]
+    refs = {a: reference_calls(frozen_lower, fwd_once, STEPS, 2, 4, a) for a in (1, 2)}
+    init = frozen_lower().state_dict()
+
+    def check(case, r):
+        for k in (k for k in init if k.startswith("blocks.0.")):    # the frozen block never moves
+            assert torch.equal(r["sd"][k], init[k]), f"{k} changed"
+        _check_parity(r, "fp32", refs[case[1]], f"frozen blocks.0, (stage, accum, ck, off)={case}", init=init)
+    _check_cases(res, check)
+
+
+# -----------------------------------------------------------------------------
+# B. a block called again after another block ran, within one forward or before one backward
+
+class Calls(nn.Module):
+    """Blocks run in the order of `order`, a letter per call: "ABA" runs blocks[0], blocks[1], blocks[0]."""
+
+    def __init__(self, order, vocab=29, d=14, h=24):
+        super().__init__()
+        self.order = [ord(c) - ord("A") for c in order]
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(max(self.order) + 1))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for i in self.order:
+            x = self.blocks[i](x)
+        return F.cross_entropy(self.head(self.norm(x)).float().view(-1, 29), targets.reshape(-1))
+
+
+def calls(order, frozen_emb=False):
+    model = Calls(order)
+    model.emb.requires_grad_(not frozen_emb)   # frozen: the first block's input needs no gradient
+    return model
+
+
+def calls_model(name):
+    """name -> (build, forward of a micro-batch). Orders within one forward: "ABA", "ABCB", "AABB", and with
+    "/frozen emb" the first call's input needs no gradient (so autograd's last word on that block is not the
+    first call's); two forwards before one backward, on TinyNet: "sum" model(x1) + model(x2), "halves"
+    (f(x[:h]) + f(x[h:])) / 2."""
+    order, _, frozen = name.partition("/")
+    if order in FWDS:
+        return make_model, FWDS[order]
+    return functools.partial(calls, order, bool(frozen)), fwd_once
+
+
+CALL_MODELS = ["ABA", "ABCB", "AABB", "ABA/frozen emb", "AABB/frozen emb", "sum", "halves"]
+CALL_STEPS = 3
+
+
+def _call_cases(rank, world, names):
+    out = {}
+    for name in names:
+        build, fwd = calls_model(name)
+        for v in VARIANTS:
+            def case():
+                torch.manual_seed(0)
+                return engine_calls(zero.Zero(build(), _cfg(*v)), fwd, CALL_STEPS, rank, world, 4)
+            out[(name, *v)] = _caught(case)
+    return out
+
+
+def _check_call_cases(res):
+    refs = {}
+
+    def check(case, r):
+        name, stage, accum, *_ = case
+        build, fwd = calls_model(name)
+        if (name, accum) not in refs:
+            refs[(name, accum)] = reference_calls(build, fwd, CALL_STEPS, 2, 4, accum)
+        torch.manual_seed(0)
+        _check_parity(r, "fp32", refs[(name, accum)], f"(calls, stage, accum, ck, off)={case}",
+                      init=build().state_dict())
+    _check_cases(res, check)
+
+
+def test_blocks_called_again_after_another_block_and_two_forwards_before_a_backward():
+    _check_call_cases(two_rank_items("calls")[0])
+
+
+# -----------------------------------------------------------------------------
+# C. a forward under torch.no_grad() between a training forward and its backward (a metric, a teacher)
+
+def test_a_no_grad_forward_between_a_forward_and_its_backward_changes_nothing():
+    res = two_rank_items("no_grad")[0]
+    ref = {a: reference_calls(make_model, fwd_no_grad, CALL_STEPS, 2, 4, a) for a in (1, 2)}
+    init = make_model().state_dict()
+    _check_cases(res, lambda case, r: _check_parity(r, "fp32", ref[case[2]], f"no_grad forward, {case}", init=init))
+
+
+# -----------------------------------------------------------------------------
+# D. checkpoints across world sizes where the shards stop dividing evenly (a block of 5 parameters: at 4 and 6
+# ranks the last rank's shard of it is padding only), across stages too
+
+RESHARD = [(6, 4), (3, 2), (2, 3)]                          # (saved at, loaded at) ranks
+RESHARD_STAGES = [(1, 1), (2, 2), (3, 3), (3, 1), (1, 3)]   # (saved at, loaded at) stage
+
+
+def shifted():
+    return make_model(shift=True)
+
+
+def _group_of(rank, world, n):
+    """This rank's group of n consecutive ranks (None: n is the world; NON_GROUP_MEMBER: in none), made now by
+    every rank, in one order. Engines on disjoint groups run side by side, all doing the same: torch names a group
+    made with use_local_synchronization (as an engine on a group makes its own) by its ranks and the count of
+    groups this process is in, which must then agree among its members."""
+    if n == world:
+        return None
+    made = [dist.new_group(list(range(i, i + n))) for i in range(0, world - n + 1, n)]
+    return made[rank // n] if rank // n < len(made) else dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _in_group(rank, world, group, fn):
+    # fn(group, group's rank, group's size) on this rank's group (None: the world)
+    if group is None:
+        return _caught(fn, None, rank, world)
+    return _caught(fn, group, dist.get_group_rank(group, rank), dist.get_world_size(group))
+
+
+def _uneven_cases(rank, world, root):
+    """One spawn of 6 ranks: checkpoints saved at 6, at 3 (two groups side by side) and at 2 (three groups), a
+    group's index in their names; then those saved at 3 loaded at 2, those saved at 2 at 3, and last (ranks 4, 5
+    idle) those saved at 6 at 4, each by a fresh engine with other weights. Each rank trains its group's slice of
+    a global batch of 12: 2 steps before the save, 2 after the load."""
+    saved, loaded = {}, {}
+    for w in (6, 3, 2):
+        group = _group_of(rank, world, w)
+        for s in sorted({a for a, _ in RESHARD_STAGES}):
+            def save(group, grank, n):
+                torch.manual_seed(0)
+                engine = zero.Zero(shifted(), _cfg(s), group=group)
+                r = engine_calls(engine, fwd_once, 2, grank, n, 12 // n, group=group)
+                zero.save(engine, os.path.join(root, f"w{n}s{s}g{rank // n}"))
+                return r                    # r["sd"]: the saved engine's full_state_dict
+            saved[(w, s)] = _in_group(rank, world, group, save)
+    for a, b in sorted(RESHARD, key=lambda x: x[1] == 4):
+        group = _group_of(rank, world, b)
+        for s1, s2 in RESHARD_STAGES:
+            def load(group, grank, n):
+                engine = zero.Zero(make_model(seed=7, shift=True), _cfg(s2), group=group)
+                zero.load(engine, os.path.join(root, f"w{a}s{s1}g0"))
+                first = engine.full_state_dict()
+                r = engine_calls(engine, fwd_once, 2, grank, n, 12 // n, start=2, group=group)
+                return dict(r, first=first, step_count=engine.step_count, world=engine.world)
+            if group is not dist.GroupMember.NON_GROUP_MEMBER:
+                loaded[(a, b, s1, s2)] = _in_group(rank, world, group, load)
+    dist.barrier()
+    return (saved, loaded) if rank == 0 else None
+
+
+def test_checkpoints_load_at_world_sizes_where_shards_stop_dividing_evenly(tmp_path):
+    saved, loaded = spawn(_uneven_cases, 6, str(tmp_path))[0]
+    ref = reference_calls(shifted, fwd_once, 4, 1, 12)      # 2 steps before the save, 2 after the load
+    init = shifted().state_dict()
+
+    def check(case, r):
+        a, b, s1, s2 = case
+        sv = saved[(a, s1)]
+        assert "error" not in sv, f"the save failed: {sv['error']}"
+        assert r["world"] == b
+        for k, v in sv["sd"].items():
+            assert torch.equal(r["first"][k], v), f"{k} after the load differs from the saved engine's"
+        assert r["step_count"] == 4, r["step_count"]
+        both = dict(r, losses=sv["losses"] + r["losses"], norms=sv["norms"] + r["norms"], oks=sv["oks"] + r["oks"])
+        _check_parity(both, "fp32", ref, f"saved at {a} ranks stage {s1}, loaded at {b} stage {s2}", init=init)
+    _check_cases(loaded, check)
+
+
+# -----------------------------------------------------------------------------
+# E. a load into an engine that has trained on: the same as a fresh engine loading that checkpoint (fp16 with a
+# loss scale that changed since the save, two param groups, a torch AdamW given to the engine, LambdaLR)
+
+DECAY = lambda s: 0.8 ** s   # noqa: E731
+
+
+def two_groups(model):
+    return [dict(params=[p for p in model.parameters() if p.requires_grad and p.dim() >= 2]),
+            dict(params=[p for p in model.parameters() if p.requires_grad and p.dim() < 2], lr=2 * LR,
+                 weight_decay=0.0)]
+
+
+def _adamw_two_groups(model):
+    return torch.optim.AdamW(two_groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _sched_steps(rank, world, engine, opt, sched, steps, start):
+    xs, ys = make_batches(start + steps, BATCH)
+    per, out = BATCH // world, dict(losses=[], norms=[], oks=[])
+    for s in range(start, start + steps):
+        loss = engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"]
+        engine.backward(loss)
+        out["oks"].append(opt.step())       # the engine's step
+        sched.step()
+        t = loss.detach().float()
+        dist.all_reduce(t)
+        out["losses"].append(t.item() / world)
+        out["norms"].append(engine.grad_norm)
+    return out
+
+
+def _snapshot(engine, run):
+    return dict(run, sd=engine.full_state_dict(), step_count=engine.step_count, scale=engine.loss_scale,
+                steps=[f.steps for u in engine.units for f in u.flats], state=_shard_state(engine),
+                lrs=[g["lr"] for g in engine.optimizer.param_groups])
+
+
+def _load_into_trained_case(rank, world, stage, ckpt):
+    cfg = zero.Config(stage=stage, dtype="fp16", lr=LR, loss_scale=2.0 ** 10, loss_scale_window=2, timeout_s=30)
+    model = make_model()
+    opt = _adamw_two_groups(model)
+    engine = zero.Zero(model, cfg, optimizer=opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, DECAY)
+    first = _sched_steps(rank, world, engine, opt, sched, 2, 0)
+    zero.save(engine, ckpt)
+    at_save, sched_state = engine.loss_scale, copy.deepcopy(sched.state_dict())   # the script's own state
+    _sched_steps(rank, world, engine, opt, sched, 3, 2)
+    before_load = engine.loss_scale
+    zero.load(engine, ckpt)
+    sched.load_state_dict(sched_state)
+    again = _snapshot(engine, _sched_steps(rank, world, engine, opt, sched, 2, 2))
+    model = make_model(seed=5)              # a fresh engine, other weights, loads the same checkpoint
+    opt = _adamw_two_groups(model)
+    fresh_engine = zero.Zero(model, cfg, optimizer=opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, DECAY)
+    zero.load(fresh_engine, ckpt)
+    sched.load_state_dict(sched_state)
+    fresh = _snapshot(fresh_engine, _sched_steps(rank, world, fresh_engine, opt, sched, 2, 2))
+    return dict(first=first, again=again, fresh=fresh, scales=(at_save, before_load))
+
+
+def _load_into_trained_cases(rank, world, root):
+    return {stage: _caught(_load_into_trained_case, rank, world, stage, os.path.join(root, f"s{stage}"))
+            for stage in (0, 3)}
+
+
+def test_a_load_into_an_engine_that_trained_on_equals_a_fresh_load():
+    res = two_rank_items("load_into_trained")
+
+    def check(stage, _):
+        for rank, r in enumerate(x[stage] for x in res):
+            assert "error" not in r, r.get("error")
+            a, b = r["again"], r["fresh"]
+            assert r["scales"][0] != r["scales"][1], f"the loss scale did not change after the save: {r['scales']}"
+            assert a["losses"] == b["losses"], (rank, a["losses"], b["losses"])
+            for k, v in b["sd"].items():
+                assert torch.equal(a["sd"][k], v), f"rank {rank}: {k} differs from the fresh load's"
+            for x, y in zip(a["state"], b["state"]):
+                assert torch.equal(x, y), f"rank {rank}: master / Adam moments differ from the fresh load's"
+            for key in ("step_count", "scale", "steps", "lrs"):
+                assert a[key] == b[key], f"rank {rank}: {key} {a[key]} vs the fresh load's {b[key]}"
+            assert b["step_count"] == 4 and b["lrs"] == [LR * DECAY(4), 2 * LR * DECAY(4)], (b["step_count"], b["lrs"])
+        # and the 2 + 2 steps are torch AdamW's (same groups, LambdaLR), as closely as fp16 compute allows
+        run = {k: r["first"][k] + b[k] for k in ("losses", "norms", "oks")}
+        _check_parity(dict(run, sd=b["sd"]), "fp16", ref, f"fp16 stage {stage}, 2 steps, load, 2 steps")
+    with one_thread():
+        ref = reference(4, BATCH, zero.Config(lr=LR), make_groups=two_groups, schedule=DECAY)
+    _check_cases({s: res[0][s] for s in (0, 3)}, check)
+
+
+# -----------------------------------------------------------------------------
+# F. frozen_dtype="fp32" where it matters: bf16 compute, a frozen base that bf16 cannot hold exactly
+
+def _frozen_dtype_cases(rank, world, root):
+    out = {}
+    warnings.simplefilter("always")
+    for stage in (1, 3):
+        for fz in ("", "fp32"):
+            def case():
+                with warnings.catch_warnings(record=True) as w:
+                    engine = zero.Zero(lora(), zero.Config(stage=stage, dtype="bf16", lr=LR, frozen_dtype=fz,
+                                                           timeout_s=30))
+                r = engine_run(engine, lambda s, w_, p: make_batches(s, w_ * p), STEPS, rank, world, 4)
+                psi, psi_f = engine.num_params(padded=True), engine.num_params(padded=True, frozen=True)
+                ckpt = os.path.join(root, f"s{stage}{fz}")
+                zero.save(engine, ckpt)     # and back: loaded at the other stage
+                back = zero.Zero(lora(seed=3), zero.Config(stage=4 - stage, dtype="bf16", lr=LR, frozen_dtype=fz,
+                                                          timeout_s=30))
+                zero.load(back, ckpt)
+                return dict(r, warned=[str(x.message) for x in w], mem=engine.memory(), psi=psi, frozen=psi_f,
+                            loaded=back.full_state_dict(), ckpt=ckpt)
+            out[(stage, fz)] = _caught(case)
+    return out
+
+
+def test_frozen_dtype_fp32_keeps_a_frozen_base_exact_through_training_and_checkpoints():
+    res = two_rank_items("frozen_dtype")
+    init = lora().state_dict()
+    frozen = [k for k, p in lora().named_parameters() if not p.requires_grad]
+    bases = [k for k in frozen if ".base." in k]
+    rounded = {k: init[k].to(torch.bfloat16).float() for k in frozen}
+    assert all(not torch.equal(rounded[k], init[k]) for k in bases)   # bf16 cannot hold the base
+    with one_thread():
+        ref = reference_run(lora, lambda s, w_, p: make_batches(s, w_ * p), STEPS, 2, 4)
+    trainable = lambda sd: {k: v for k, v in sd.items() if k not in frozen}   # noqa: E731
+
+    def check(case, r):
+        stage, fz = case
+        want = init if fz else rounded      # the frozen base: exact, or bf16's rounding of it
+        for k in frozen:
+            assert torch.equal(r["sd"][k], want[k]), f"full_state_dict: {k} is not {'exact' if fz else 'rounded'}"
+            assert torch.equal(r["loaded"][k], want[k]), f"saved, loaded at stage {4 - stage}: {k}"
+        cons = zero.consolidate(r["ckpt"])
+        for k in frozen:
+            assert torch.equal(cons[k], want[k]), f"consolidate: {k}"
+        warned = [m for m in r["warned"] if "frozen_dtype='fp32'" in m]
+        assert len(warned) == (0 if fz else 1), r["warned"]
+        # the trained part, against torch AdamW as bf16 allows (the base in the forward is bf16 either way)
+        _check_parity(dict(r, sd=trainable(r["sd"])), "bf16", (ref[0], ref[1], trainable(ref[2])),
+                      f"lora bf16 frozen_dtype={fz!r} stage {stage}", init=trainable(init))
+        # the bytes of frozen state each rank holds, as the formula says
+        for rank, x in enumerate(y[case] for y in res):
+            assert "error" not in x, (rank, x.get("error"))
+            want_mem = zero.estimate_memory(x["psi"], 2, stage, "bf16", frozen_params=x["frozen"],
+                                            frozen_dtype=fz)["device"]["frozen"]
+            assert x["mem"]["device"]["frozen"] == want_mem, (rank, x["mem"]["device"]["frozen"], want_mem)
+    _check_cases(res[0], check)
+
+
+# -----------------------------------------------------------------------------
+# G. an engine dropped is freed: its flat buffers with it (nothing holds it: not its gradient hooks, which
+# torch's C++ side keeps, not the offload thread)
+
+def _freed_cases(rank, world):
+    out = {}
+    for stage, off in ((3, False), (2, True)):
+        runs, alive = [], []
+        for _ in range(3):
+            torch.manual_seed(0)
+            engine = zero.Zero(make_model(), _cfg(stage, off=off))
+            runs.append(engine_calls(engine, fwd_once, 2, rank, world, 4))
+            refs = [weakref.ref(engine)] + [weakref.ref(t) for u in engine.units for f in u.flats
+                                            for t in (f.flat, f.master, f.exp_avg) if t is not None]
+            del engine
+            gc.collect()
+            alive.append((refs[0]() is not None, sum(r() is not None for r in refs[1:]), len(refs) - 1))
+        out[(stage, off)] = dict(runs=runs, alive=alive)
+    return out
+
+
+def _check_freed(res, world):
+    ref = reference_calls(make_model, fwd_once, 2, world, 4)
+    init = make_model().state_dict()
+    for case, r in res.items():
+        for i, run in enumerate(r["runs"]):
+            _check_parity(run, "fp32", ref, f"world {world} (stage, offload)={case} engine {i}", init=init)
+    left = {case: r["alive"] for case, r in res.items() if any(a or n for a, n, _ in r["alive"])}
+    assert not left, f"world {world}: engines dropped but alive, and (engine alive, flat tensors alive, of): {left}"
+
+
+def test_an_engine_dropped_is_freed_with_its_buffers():
+    with one_thread():
+        res = {1: _freed_cases(0, 1), 2: two_rank_items("freed")[0]}   # world 1 in this process
+    failed = []
+    for world, r in res.items():
+        try:
+            _check_freed(r, world)
+        except AssertionError as e:
+            failed.append(str(e).splitlines()[0])
+    assert not failed, "\n".join(failed)
+
+
+# -----------------------------------------------------------------------------
+# H. dist.init_process_group() without a backend (torch >= 2.6 picks one per device: "cpu:gloo,cuda:nccl")
+
+NO_BACKEND = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.distributed as dist
+from test_zero import LR, make_batches, make_model
+import zero
+rank, world, port, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+torch.set_num_threads(1)
+dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+engine = zero.Zero(make_model(), zero.Config(stage=2, dtype="fp32", lr=LR, timeout_s=60))
+xs, ys = make_batches(2, 4 * world)
+losses, norms = [], []
+for s in range(2):
+    loss = engine(xs[s, rank * 4:(rank + 1) * 4], ys[s, rank * 4:(rank + 1) * 4])["loss"]
+    engine.backward(loss)
+    engine.step()
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    losses.append(t.item() / world)
+    norms.append(engine.grad_norm)
+sd = engine.full_state_dict()
+if rank == 0:
+    torch.save(dict(losses=losses, norms=norms, oks=[True, True], sd=sd), out)
+print(json.dumps(dict(device=str(engine.device), backend=str(dist.get_backend()), losses=losses)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6),
+                    reason="init_process_group picks a backend itself from torch 2.6 on")
+def test_a_process_group_made_without_naming_a_backend(tmp_path):
+    script, out, port = tmp_path / "no_backend.py", str(tmp_path / "rank0.pt"), _free_port()
+    script.write_text(NO_BACKEND)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), HERE, str(r), "2", str(port), out], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        res = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, (stdout, stderr)) in enumerate(zip(procs, res)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{stderr[-1500:]}"
+    said = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in res]
+    assert all(x["device"] == "cpu" for x in said), said
+    assert said[0]["losses"] == said[1]["losses"], said
+    ref = reference_calls(make_model, fwd_once, 2, 2, 4)
+    _check_parity(torch.load(out, weights_only=False), "fp32", ref, f"no backend named ({said[0]['backend']})")

@@ -255,7 +255,8 @@ class Comm:
     def wait(self, work):
         # a failure, a dead or a stalled rank (the group's timeout ends the collective) becomes this error
         try:
-            done = work is None or (work.wait() if self.stream_waits else work.wait(self.timeout))
+            done = work is None or work if isinstance(work, Exception) else \
+                work.wait() if self.stream_waits else work.wait(self.timeout)
         except RuntimeError as e:           # gloo raises on a timeout, on sizes that differ, on a dead peer
             done = e
         if done is not True:
@@ -299,18 +300,23 @@ class Comm:
     def all_gather_object(self, obj):       # Python objects (the setup's, the first backward's, a save's)
         out = [obj] * self.world
         if self.world > 1:
-            dist.all_gather_object(out, obj, group=self.groups["world"][0])
+            try:
+                dist.all_gather_object(out, obj, group=self.groups["world"][0])
+            except RuntimeError as e:       # (a stalled, dead or diverged rank, as in wait())
+                self.wait(e)
         return out
 
-    def agree(self, what):
+    def agree(self, what, check=False):
         """A collective-taking call (the engine's n-th): recorded, and counted in the step's fingerprint. The
-        calls a script may make on one rank only, and every call with Config.check_calls, are checked at once
-        through the store: each rank counts itself in at key n under its call; all go on once one call has all."""
+        calls a script may make on one rank only, those after evaluation forwards (an evaluation split unevenly
+        over the ranks: `check`), and every call with Config.check_calls are checked before their collectives,
+        through the store: each rank counts itself in at key n under its call; all go on once one call has all.
+        (A collective one rank makes alone would pair with another's: gloo aborts, NCCL hangs or mixes them.)"""
         self.calls[what] += 1
         n = sum(self.calls.values())
         self.log.append(f"{what}() #{n}")
         self.trace.append((what, None))
-        if self.store is None or not (what in RARE or self.check_calls):
+        if self.store is None or not (what in RARE or check or self.check_calls):
             return
         key = f"{self.prefix}/call{n}"
         try:
@@ -322,14 +328,14 @@ class Comm:
             raise RuntimeError(f"zero: {what}() #{n}: the other ranks did not make this call within {self.timeout} "
                                f"({self.report()}); {EVERY_RANK}") from e
 
-    def report(self, wait_s=3.0):
+    def report(self):
         # what each rank called, from the store: this rank's last calls written, the others' read (those that
         # failed too write theirs), with how many of each call each made where they differ
         if self.store is None:
-            return f"rank {self.rank}: " + ", ".join(self.log)
+            return f"rank {self.rank} called " + ", ".join(self.log)
         with contextlib.suppress(Exception):
             self.store.set(f"{self.prefix}/last/{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
-        seen, deadline = {}, time.monotonic() + wait_s
+        seen, deadline = {}, time.monotonic() + min(3.0, self.timeout.total_seconds() / 2)
         while len(seen) < self.world and time.monotonic() < deadline:
             for r in range(self.world):
                 k = f"{self.prefix}/last/{r}"
@@ -344,11 +350,12 @@ class Comm:
                 lo = min(counts, key=counts.get)
                 more += [f"rank {r} made {c - counts[lo]} {what}() more than rank {lo}" for r, c in counts.items()
                          if c > counts[lo]][:4]
-        last = "; ".join(f"rank {r}: {', '.join(log[-3:])}" for r, (_, log) in sorted(seen.items())[:8])
+        last = "; ".join(f"rank {r}: {log[-1]} (after {', '.join(log[-3:-1]) or 'nothing'})" for r, (_, log) in
+                         sorted(seen.items())[:8] if log)
         return "; ".join(more + [last or "no other rank said what it called"])
 
 
-CALLS = ("forward", "backward", "step") + RARE
+CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
 _SERIALS = {}                               # ranks -> a counter of the engines made on them, the same on each
 
 
@@ -698,7 +705,10 @@ class _Sharded(nn.Parameter):
         name, attr = getattr(func, "__name__", ""), getattr(getattr(func, "__self__", None), "__name__", "")
         for t in _tensors((args, kwargs)) if name not in METADATA or attr == "data" else ():
             if type(t) is _Sharded:
-                engine, unit = t._zero_owner[0](), t._zero_owner[1]
+                engine = t._zero_owner[0]()
+                if engine is None:          # (its engine was dropped: the plain tensor it is)
+                    continue
+                unit = engine.units[t._zero_owner[1]]
                 if engine.depth == 0:
                     raise RuntimeError(f"zero: '{t._zero_name}' was read outside the model's forward, where its unit "
                                        "is not gathered (stage 3 between uses, offload before the next forward): read "
@@ -709,10 +719,11 @@ class _Sharded(nn.Parameter):
         return _PLAIN(func, types, args, kwargs or {})
 
 
-def _on_grad(engine, u, i, p):
-    # a gradient hook, held by torch's C++ side: a weak reference, or the engine could never be freed
+def _on_grad(engine, j, i, p):
+    # a gradient hook, held by torch's C++ side, where the collector cannot see it: it holds the engine weakly and
+    # its unit by number, or the engine (and the model's memory) could never be freed
     if engine() is not None:
-        engine()._on_grad(u, i, p)
+        engine()._on_grad(engine().units[j], i, p)
 
 
 def _merge(seqs, extra=()):
@@ -957,6 +968,7 @@ class Zero:
         self.calls = []                             # this micro-batch's calls with a backward to come: nodes
         self.walk = None                            # the running forward's progress along the schedule
         self.segments = 0                           # forwards with a backward to come since the last backward
+        self.evals = 0                              # forwards without one since the last with one (stage 3)
         self.learned = self.checked = False         # the first backward learned the order; the first forward ran
         self.worker = None                          # the offload thread
         self.norms = []                             # offload: the gradient shards' squared norms, on the device
@@ -1014,7 +1026,7 @@ class Zero:
         # as Hugging Face's generate() calls an encoder) and ends when it returns; each unit's forward
         for u in self.units:
             for i, p in enumerate(u.train.params if u.train else ()):
-                p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self), u, i))
+                p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self), u.index, i))
         for m in mods:
             m.register_forward_pre_hook(self._enter)
             m.register_forward_hook(self._exit, always_call=True)
@@ -1170,7 +1182,7 @@ class Zero:
             f.flat, owned, n = full.to(self.dtype), full[f.lo:f.hi], f.hi - f.lo
             for name, p, o in zip(f.names, f.params, f.offsets):   # the model sees its parameters, as views
                 p.data = f.flat[o:o + p.numel()].view(p.shape)     # into the buffer that one collective moves
-                p._zero_name, p._zero_owner = name, (weakref.ref(self), u)
+                p._zero_name, p._zero_owner = name, (weakref.ref(self), u.index)
             if f.trainable:
                 f.master = None if self.master_is_param else self._state("master", n, src=owned)
                 f.exp_avg, f.exp_avg_sq = self._state("exp_avg", n), self._state("exp_avg_sq", n)
@@ -1274,10 +1286,17 @@ class Zero:
     def _take(self, u, nxt, back):
         # u gathered, and the next unit's gather started to travel while u computes (with offload only once the
         # host update is done with it: waiting here would undo the overlap)
-        self._unshard(u)
+        self._unshard(self._in_turn(u))
         if nxt is not None and nxt is not u and self.cfg.prefetch and (back or self.gathers_lazily) and \
                 nxt.updated.is_set():
-            self._unshard(nxt, wait=False)
+            self._unshard(self._in_turn(nxt), wait=False)
+
+    def _in_turn(self, u):
+        # a unit whole on this rank alone (its parameters escaped here since the ranks last agreed) is gathered
+        # again in its turn all the same, as the ranks that freed it gather it: the gathers stay one order
+        if self.shards_params and u.phase == WHOLE and u.keep and u.index not in self.sched.keep:
+            u.phase = FREED
+        return u
 
     def _forward_to(self, w, j):
         """A forward's walk along its segment up to place j (None: to its end): every place before j that this
@@ -1328,8 +1347,10 @@ class Zero:
             raise RuntimeError(f"zero: {sorted(self.unfilled)[:8]} were built on the meta device and nothing "
                                "initialized them: fill them with engine.load_state_dict(sd), or pass init_fn=fn "
                                "(called as fn(module) on every module) to zero.Zero")
-        if self.gathers_lazily:
-            self.net.agree("forward")
+        if self.gathers_lazily:             # after evaluation forwards: checked that every rank made as many
+            self.net.agree("forward" if torch.is_grad_enabled() else "no_grad forward",
+                           check=self.evals and torch.is_grad_enabled())
+            self.evals = 0 if torch.is_grad_enabled() else self.evals + 1
         if self.last_ran is not None:       # a block called on its own since the last forward
             self._release(self.last_ran)
         self.last_ran = None
@@ -1511,7 +1532,8 @@ class Zero:
                 math.isclose(d.item(), cfg.accum_steps, rel_tol=1e-6):
             raise ValueError(f"zero: the loss is divided by accum_steps={cfg.accum_steps}: pass the micro-batch's "
                              "plain mean loss; engine.backward divides by Config.accum_steps itself")
-        self.net.agree("backward")
+        self.net.agree("backward", check=self.evals)
+        self.evals = 0
         if not self.learned:
             self._learn()
         self._settle()
@@ -2229,8 +2251,9 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, 
                frozen=(4 * fz / n if stage == 3 else 6 * fz) if c.frozen_dtype else p * fz / per(3))
     host = dict.fromkeys(dev, 0)
     if offload:     # the gradient shard, master and moments on the host; on the device stage 1's whole gradient,
-        host.update(grads=g * psi / n, master=dev["master"], optim=dev["optim"])   # and the shard's sum (accum)
-        dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else g * psi / n if accum_steps > 1 else 0)
+        host.update(grads=g * psi / n, master=dev["master"], optim=dev["optim"])   # or the shard's sum (accum,
+        dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else g * psi / n if accum_steps > 1 or
+                   n < world_size else 0)   # and hybrid: summed across the shard groups on the device)
     return {w: {k: int(round(v)) for k, v in d.items()} for w, d in (("device", dev), ("host", host))}
 
 

@@ -255,7 +255,7 @@ class Comm:
     def wait(self, work):
         # a failure, a dead or a stalled rank (the group's timeout ends the collective) becomes this error
         try:
-            done = work is None or work if isinstance(work, Exception) else \
+            done = True if work is None else work if isinstance(work, Exception) else \
                 work.wait() if self.stream_waits else work.wait(self.timeout)
         except RuntimeError as e:           # gloo raises on a timeout, on sizes that differ, on a dead peer
             done = e

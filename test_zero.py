@@ -2022,9 +2022,10 @@ class Probe:
         self.peak[phase] = (max(g, grads), max(p, params))
 
 
-def reference_run(build, batches, steps, world, per, accum=1, lr=LR, loss_of=lambda out: out, clip=1.0):
+def reference_run(build, batches, steps, world, per, accum=1, lr=LR, loss_of=lambda out: out, clip=1.0, fwd=None):
     """Single-process plain AdamW (zero's default groups: decay on >= 2-D tensors) + clip_grad_norm_ on the
-    global batch, each rank's slice and micro-batch run as the engine's ranks run them."""
+    global batch, each rank's slice and micro-batch run as the engine's ranks run them; the micro-batch's loss
+    is loss_of(model(x, y)), or fwd(model, x, y) when given (a model called several times per micro-batch)."""
     torch.manual_seed(0)
     model = build()
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -2039,7 +2040,7 @@ def reference_run(build, batches, steps, world, per, accum=1, lr=LR, loss_of=lam
         for r in range(world):
             for m in range(accum):
                 sl = slice(r * per + m * mb, r * per + (m + 1) * mb)
-                loss = loss_of(model(xs[s, sl], ys[s, sl]))
+                loss = fwd(model, xs[s, sl], ys[s, sl]) if fwd else loss_of(model(xs[s, sl], ys[s, sl]))
                 (loss / (world * accum)).backward()
                 total += loss.item() / (world * accum)
         norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
@@ -3043,32 +3044,7 @@ def reference_calls(build, fwd, steps, world, per, accum=1):
     """reference_run (plain AdamW, zero's default groups, clip at 1.0, each rank's slice and micro-batch as the
     engine's ranks run them), the micro-batch's loss from fwd(model, x, y)."""
     with one_thread():
-        return _reference_calls(build, fwd, steps, world, per, accum)
-
-
-def _reference_calls(build, fwd, steps, world, per, accum):
-    torch.manual_seed(0)
-    model = build()
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    xs, ys = tiny_batches(steps, world, per)
-    losses, norms, mb = [], [], per // accum
-    for s in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for r in range(world):
-            for m in range(accum):
-                sl = slice(r * per + m * mb, r * per + (m + 1) * mb)
-                loss = fwd(model, xs[s, sl], ys[s, sl])
-                (loss / (world * accum)).backward()
-                total += loss.item() / (world * accum)
-        norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                          1.0)))
-        opt.step()
-        losses.append(total)
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return reference_run(build, tiny_batches, steps, world, per, accum, fwd=fwd)
 
 
 def engine_calls(engine, fwd, steps, rank, world, per, start=0, group=None):

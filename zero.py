@@ -244,7 +244,7 @@ class Comm:
         if self.world > 1:
             with contextlib.suppress(Exception):
                 self.store = dist.distributed_c10d._get_default_store()
-        if self.world > 1:                  # NCCL makes a communicator at its first call: here, not at peak memory
+            # NCCL makes a communicator at its first call: here, not at peak memory
             for pg, n in {id(g): (g, n) for g, n in self.groups.values()}.values():
                 self.wait(_all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True))
 

@@ -720,8 +720,9 @@ def report_gpu(quick):
             eng.load_state_dict(sd)
         eng.backward(eng(x, y))
         eng.step()
-        eng._settle()
-        exact.append(all(torch.equal(eng._owned(u.train).cpu(), u.train.master.to(torch.bfloat16)) for u in eng.units))
+        eng.settle()
+        exact.append(all(torch.equal(u.train.owned.cpu(), u.train.state["master"].to(torch.bfloat16))
+                         for u in eng.units))
     unused = eng.full_state_dict()["unused.weight"]
     pinned = sum(b.nbytes for b, _ in eng.pinned.values())
     host = sum(eng.memory()["host"].values())

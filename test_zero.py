@@ -605,13 +605,21 @@ class PassThrough(nn.Module):
         return F.cross_entropy(self.head(self.norm(x)).float().view(-1, 29), targets.reshape(-1))
 
 
+def spy_unshard(engine, before):
+    # before(u, wait) runs ahead of each of the engine's units' unshard(wait)
+    for u in engine.units:
+        def spy(wait=True, u=u, real=u.unshard):
+            before(u, wait)
+            return real(wait)
+        u.unshard = spy
+
+
 def _pass_through_case(rank, world, reuse, checkpoint):
     torch.manual_seed(0)
     engine = zero.Zero(PassThrough(reuse=reuse), zero.Config(stage=3, dtype="fp32", lr=LR, checkpoint=checkpoint))
     xs, ys = make_batches(3, 4 * world)
     per, calls = 4, []
-    real = engine._unshard
-    engine._unshard = lambda u, wait=True: (calls.append(u.index) if u.phase == zero.FREED else None, real(u, wait))
+    spy_unshard(engine, lambda u, wait: calls.append(u.index) if u.phase == zero.FREED else None)
     for s in range(3):
         calls.clear()
         engine.backward(engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]))
@@ -1184,7 +1192,7 @@ def test_param_groups_go_through_checkpoints(tmp_path):
 
 def _state(engine):
     return [t.clone() for u in engine.units if u.train for f in [u.train]
-            for t in (f.master, f.exp_avg, f.exp_avg_sq, f.flat if f.shard is None else f.shard)]
+            for t in (*f.state.values(), f.flat if f.shard is None else f.shard)]
 
 
 def _overflow_case(rank, world, stage):
@@ -1500,7 +1508,7 @@ def test_recompute_cuts_saved_activations():
 # checkpoints: bit-exact resume, another world size and stage, consolidation, crashes, bad files
 
 def _shard_state(engine):
-    return [torch.cat([getattr(u.train, k).float().flatten() for u in engine.units if u.train])
+    return [torch.cat([u.train.state[k].float().flatten() for u in engine.units if u.train])
             for k in ("master", "exp_avg", "exp_avg_sq")]
 
 
@@ -1710,11 +1718,12 @@ def _overlap_case(rank, world):
     for stage in range(4):
         engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=stage, dtype="fp32", waits="nccl"))
         seen = {"launch": [], "finish": []}  # units whose gradients have not come yet, at each launch / finish
-        for verb, name in (("launch", "_reduce"), ("finish", "_finish_reduce")):
-            def spy(*a, real=getattr(engine, name), verb=verb):
+        for verb, name, u in ((v, n, u) for v, n in (("launch", "reduce"), ("finish", "finish_reduce"))
+                              for u in engine.units):
+            def spy(*a, real=getattr(u, name), verb=verb):
                 seen[verb].append(sum(not x.train.got for x in engine.units))
                 return real(*a)
-            setattr(engine, name, spy)
+            setattr(u, name, spy)
         x, y = make_batches(1, 2 * world)
         h.launches = []
         engine.backward(engine(x[0, 2 * rank:2 * rank + 2], y[0, 2 * rank:2 * rank + 2])["loss"])
@@ -1927,26 +1936,21 @@ def test_bench_quick_runs():
 def test_stage3_prefetches_the_next_unit():
     """From the second step on, each block's gather has started before its own forward or backward
     asks for it: the previous unit's hooks prefetched it."""
-    engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=3, dtype="fp32"))
-    ready_on_arrival = []
-    real = engine._unshard
-
-    def spy(u, wait=True):
-        if wait:
-            ready_on_arrival.append((u.index, u.phase != zero.FREED))
-        return real(u, wait)
-    engine._unshard = spy
     x, y = make_batches(2, 2)
-    for s in range(2):
-        ready_on_arrival.clear()
-        engine.backward(engine(x[s], y[s])["loss"])
-        engine.step()
-    blocks = [ok for i, ok in ready_on_arrival if i not in (0, engine.root.index)]
-    assert len(blocks) >= 6 and all(blocks), ready_on_arrival
-    engine.cfg.prefetch = False                 # and without prefetch, nothing is ready ahead
-    ready_on_arrival.clear()
-    engine.backward(engine(x[0], y[0])["loss"])
-    assert not any(ok for i, ok in ready_on_arrival if i != engine.root.index), ready_on_arrival
+    for prefetch in (True, False):              # and without prefetch, nothing is ready ahead
+        engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=3, dtype="fp32", prefetch=prefetch))
+        ready_on_arrival = []
+        spy_unshard(engine, lambda u, wait: ready_on_arrival.append((u.index, u.phase != zero.FREED)) if wait
+                    else None)
+        for s in range(2):
+            ready_on_arrival.clear()
+            engine.backward(engine(x[s], y[s])["loss"])
+            engine.step()
+        if prefetch:
+            blocks = [ok for i, ok in ready_on_arrival if i not in (0, engine.root.index)]
+            assert len(blocks) >= 6 and all(blocks), ready_on_arrival
+        else:
+            assert not any(ok for i, ok in ready_on_arrival if i != engine.root.index), ready_on_arrival
 
 
 # -----------------------------------------------------------------------------
@@ -2111,7 +2115,7 @@ def _nccl_cases(rank, world, cases, steps, per):
         h.phase, h.waits, h.launches = "outside", [], []
         r = engine_run(engine, batches, steps, rank, world, per, h, loss_of)
         out[(name, stage, accum, offload)] = dict(r, waits=list(h.waits), launches=list(h.launches),
-                                                  peak=probe.peak, unit=max(u.train.padded * 4 for u in engine.order),
+                                                  peak=probe.peak, unit=max(u.train.padded * 4 for u in engine.sched.order),
                                                   root=sum(f.padded * 4 for f in engine.root.flats))
     h.close()
     return out
@@ -2156,9 +2160,9 @@ def _staging_case(rank, world, stage):
         for s in range(a, b):
             engine.backward(engine(xs[s, 4 * rank:4 * rank + 4]))
             engine.step()
-        engine._settle()        # the host update done, and gathered
+        engine.settle()        # the host update done, and gathered
         # the 16-bit parameters are the rounding of the fp32 masters, those without a gradient included
-        return all(torch.equal(engine._owned(u.train), u.train.master.to(torch.bfloat16)) for u in engine.units)
+        return all(torch.equal(u.train.owned, u.train.state["master"].to(torch.bfloat16)) for u in engine.units)
     ok = [steps(0, 2)]
     sd = engine.full_state_dict()
     sd.update({k: torch.full_like(v, 0.25) for k, v in sd.items() if k.startswith("extra")})
@@ -2237,8 +2241,8 @@ def _init_case(rank, world):
         own = {}
         for u in engine.units:
             for f in u.flats:
-                own[(u.index, f.trainable)] = (f.names, f.offsets, f.lo, f.hi, engine._owned(f).float().clone(),
-                                               None if f.master is None else f.master.clone())
+                own[(u.index, f.trainable)] = (f.names, f.offsets, f.lo, f.hi, f.owned.float().clone(),
+                                               f.state["master"].clone() if f.trainable else None)
         bufs = {k: b.clone() for k, b in engine.module.named_buffers()}
         whole = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()} if stage < 3 else {}
         out[stage] = own, bufs, whole
@@ -2352,8 +2356,9 @@ class FrozenProbe(Probe):
     """Bytes of the storages holding frozen parameters (flat buffers, shards, fp32 copies), at every hook."""
 
     def sample(self):
-        held = sum(t.untyped_storage().nbytes() for u in self.engine.units for f in u.flats if not f.trainable
-                   for t in {id(x): x for x in (f.flat, f.shard, f.master) if x is not None}.values())
+        held = sum(st.nbytes() for st in {x.untyped_storage().data_ptr(): x.untyped_storage()    # views once
+                                          for u in self.engine.units for f in u.flats if not f.trainable
+                                          for x in (f.flat, f.shard, *f.state.values()) if x is not None}.values())
         self.peak["frozen"] = max(self.peak.get("frozen", 0), held)
         self.now = held
 
@@ -2529,7 +2534,7 @@ def _moe_release(rank, world):
     engine = zero.Zero(Routed(), zero.Config(stage=3, dtype="fp32", lr=LR))
     probe = Probe(engine)
     engine_run(engine, routed_batches, 2, rank, world, 4)
-    return probe.peak["any"][1], max(u.train.padded * 4 for u in engine.order), engine.num_params(padded=True) * 4
+    return probe.peak["any"][1], max(u.train.padded * 4 for u in engine.sched.order), engine.num_params(padded=True) * 4
 
 
 def test_experts_without_tokens_hold_no_more_memory():
@@ -3483,7 +3488,7 @@ def _freed_cases(rank, world):
             engine = zero.Zero(make_model(), _cfg(stage, off=off))
             runs.append(engine_calls(engine, fwd_once, 2, rank, world, 4))
             refs = [weakref.ref(engine)] + [weakref.ref(t) for u in engine.units for f in u.flats
-                                            for t in (f.flat, f.master, f.exp_avg) if t is not None]
+                                            for t in (f.flat, *f.state.values()) if t is not None]
             del engine
             gc.collect()
             alive.append((refs[0]() is not None, sum(r() is not None for r in refs[1:]), len(refs) - 1))

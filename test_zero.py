@@ -2276,16 +2276,24 @@ def test_every_rank_starts_from_rank_0s_weights():
 # -----------------------------------------------------------------------------
 # a stalled rank (alive, not calling) makes its peer raise zero's error within about timeout_s, on gloo too
 
-def _stall_cases(rank, world, cases):
+def _stalled(raised, seconds=4.5):
+    """Rank 1 stalls for `seconds`, or until its peer has raised (the peer's error is all a case waits for)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not os.path.exists(raised):
+        time.sleep(0.02)
+
+
+def _stall_cases(rank, world, cases, root):
     out = []
     for j, (stage, where) in enumerate(cases):
         dist.barrier()                      # both ranks start each case together (the harness's group: 60 s)
         timeout = 2.0 + 0.01 * j            # process groups of their own for each case: a timeout breaks them
         engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", timeout_s=timeout))
         x, y = make_batches(1, 2)
-        stall = lambda at: time.sleep(4.5) if rank == 1 and at == where else None   # noqa: E731
+        raised = os.path.join(root, f"raised_{j}")
+        stall = lambda at: _stalled(raised) if rank == 1 and at == where else None   # noqa: E731
         if where == "in backward" and rank == 1:    # inside the backward, between two units
-            engine.module.blocks[1].register_full_backward_pre_hook(lambda *a: time.sleep(4.5))
+            engine.module.blocks[1].register_full_backward_pre_hook(lambda *a: _stalled(raised))
         t = time.monotonic()
         try:
             loss = engine(x[0, rank:rank + 1], y[0, rank:rank + 1])["loss"]
@@ -2296,18 +2304,19 @@ def _stall_cases(rank, world, cases):
             stall("in save")
             if where == "in save":
                 real = zero._sha256
-                zero._sha256 = lambda p: (time.sleep(4.5) if rank == 1 else None, real(p))[1]
-                zero.save(engine, f"/tmp/zero_stall_{os.getppid()}_{j}")
+                zero._sha256 = lambda p: (_stalled(raised) if rank == 1 else None, real(p))[1]
+                zero.save(engine, os.path.join(root, f"ck_{j}"))
                 zero._sha256 = real
             out.append(None)
         except RuntimeError as e:
             out.append((time.monotonic() - t, str(e).splitlines()[0][:200]))
+            open(raised, "w").close()
     return out
 
 
-def test_a_stalled_rank_is_an_error_within_timeout_s():
+def test_a_stalled_rank_is_an_error_within_timeout_s(tmp_path):
     cases = [(1, "in backward"), (3, "in backward"), (2, "before step"), (1, "before backward"), (2, "in save")]
-    for case, r in zip(cases, spawn(_stall_cases, 2, cases)[0]):
+    for case, r in zip(cases, spawn(_stall_cases, 2, cases, str(tmp_path))[0]):
         assert r is not None, case
         seconds, msg = r
         assert msg.startswith("zero: ") and seconds < 2 + 3, (case, seconds, msg)

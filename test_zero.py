@@ -52,7 +52,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _leave(world, wait, seconds=10.0):
+    """Count this rank as done; one whose fn returned then waits (10 s at most) for the others before its group
+    goes: the group's store lives in rank 0, and a peer still waiting for an error reads the others' calls from
+    it. (A spawned process took seconds to exit after its fn; one forked from the forkserver does not.)"""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        done, end = store.add("zero_test_done", 1), time.monotonic() + seconds
+        while wait and done < world and time.monotonic() < end:
+            time.sleep(0.02)
+            done = store.add("zero_test_done", 0)
+    except Exception:       # the store's host already gone
+        pass
+
+
 def _entry(fn, rank, world, port, args, results):
+    ok = False
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -62,10 +77,12 @@ def _entry(fn, rank, world, port, args, results):
         buf = io.BytesIO()   # plain bytes: tensors through a Queue would need the child alive
         torch.save(fn(rank, world, *args), buf)
         results.put((rank, "ok", buf.getvalue()))
+        ok = True
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            _leave(world, ok)
             dist.destroy_process_group()
 
 

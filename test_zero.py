@@ -975,7 +975,9 @@ def test_export_one_unit_at_a_time_and_the_models_own_methods():
 
 
 def _build_memory(rank, world, meta, n_blocks, d):
+    import ctypes
     import resource
+    ctypes.CDLL(None).mallopt(-3, 131072)   # M_MMAP_THRESHOLD: freed blocks go back to the system: RSS tells the truth
     torch.manual_seed(0)
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     # a small model first, so that one-time costs (the meta device's setup is ~75 MB of Python state,
@@ -997,11 +999,7 @@ def _build_memory(rank, world, meta, n_blocks, d):
 
 def test_building_on_the_meta_device_holds_shards_plus_a_few_units():
     # 8 ranks at stage 3: a rank's shards (16 bytes per parameter / 8) are half the whole fp32 model
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"   # freed blocks go back to the system: RSS tells the truth
-    try:
-        r = spawn(_build_memory, 8, True, 24, 192, method="spawn")   # glibc reads the variable as a process starts
-    finally:
-        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    r = spawn(_build_memory, 8, True, 24, 192)
     for x in r:
         assert abs(x["shards"] - 2 * x["psi"]) < 8 * 1024, x    # 16 bytes per parameter / 8 ranks, padded
         # the shards, a few whole fp32 units, and a margin for the allocator's own bookkeeping

@@ -2769,10 +2769,20 @@ def _script_calls(rank, world, stage):
     return out
 
 
+def _script_calls_stages(rank, world):
+    out = {}
+    for stage in range(4):                  # one spawn for the four stages; each compiles from a clean Dynamo
+        torch._dynamo.reset()
+        dist.barrier()
+        out[stage] = _script_calls(rank, world, stage)
+    return out
+
+
 def test_a_ddp_scripts_clip_grad_norm_and_compile_after_wrapping():
     ref = reference_run(make_model, tiny_batches, STEPS, 2, 2, loss_of=lambda out: out["loss"], clip=0.25)
+    res = spawn(_script_calls_stages, 2)
     for stage in range(4):
-        out = spawn(_script_calls, 2, stage)
+        out = [x[stage] for x in res]
         r = out[0]
         assert r["compiled is the engine"], stage
         # the norm torch's clip_grad_norm_ returns is the true global norm, and the step clips at the script's c

@@ -1764,6 +1764,16 @@ def test_collectives_start_and_finish_during_backward():
             assert max(r["finish"]) >= 1, r     # finished while a unit's gradients had not come yet
 
 
+def _finish(p, timeout):
+    """(stdout, stderr) of a Popen'd process, killed (and the test failed) after timeout seconds."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+
+
 def test_processes_exit_cleanly(tmp_path):
     """A user's script ends after a few steps, with no os._exit: the processes exit 0, however the gloo threads and
     the offload thread stand at that moment (before, 10-30% of such runs aborted: "terminate called without an
@@ -1779,11 +1789,13 @@ def test_processes_exit_cleanly(tmp_path):
                       "    for s in range(2):\n"
                       "        e.backward(e(x[s, 2 * r:2 * r + 2], y[s, 2 * r:2 * r + 2])['loss']); e.step()\n"
                       "    e(x[0, 2 * r:2 * r + 2], y[0, 2 * r:2 * r + 2])   # a forward left in flight at exit\n")
-    for _ in range(6):
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            str(script)], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert p.returncode == 0 and "terminate called" not in p.stderr, p.stderr[-3000:]
+    for _ in range(3):                      # six runs, two at a time (a launcher imports torch on one core)
+        runs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc_per_node=2", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in range(2)]
+        for p in runs:
+            _, stderr = _finish(p, 120)
+            assert p.returncode == 0 and "terminate called" not in stderr, stderr[-3000:]
 
 
 def _reversed_case(rank, world):
@@ -1864,12 +1876,22 @@ TINY_GPT = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--ba
             "--lr=1e-2", "--min_lr=1e-3", "--lr_decay_iters=12"]
 
 
-def run_train_gpt(args, nproc=2, timeout=90):
-    """train_gpt.py under torchrun (nproc processes) or as one plain process (nproc=0)."""
+def start_train_gpt(args, nproc=2):
+    """train_gpt.py under torchrun (nproc processes) or as one plain process (nproc=0), started."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc \
         else [sys.executable]
-    return subprocess.run(launch + [TRAIN_GPT] + args, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.path.dirname(TRAIN_GPT))
+    return subprocess.Popen(launch + [TRAIN_GPT] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.path.dirname(TRAIN_GPT))
+
+
+def wait_train_gpt(p, timeout=90):
+    stdout, stderr = _finish(p, timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def run_train_gpt(args, nproc=2, timeout=90):
+    """train_gpt.py under torchrun (nproc processes) or as one plain process (nproc=0), to its end."""
+    return wait_train_gpt(start_train_gpt(args, nproc), timeout)
 
 
 def step_losses(stdout):
@@ -1883,6 +1905,8 @@ def val_losses(stdout):
 
 def test_train_gpt_trains_resumes_exactly_and_fine_tunes_from_its_weights(tmp_path):
     run = TINY_GPT + ["--stage=3", "--accum_steps=2"]
+    # the uninterrupted run of 12 steps (checked below) goes on meanwhile: it shares nothing with these
+    straight = start_train_gpt(run + [f"--out_dir={tmp_path / 'b'}", "--max_iters=12"])
     first = run_train_gpt(run + [f"--out_dir={tmp_path / 'a'}", "--max_iters=8"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     losses = step_losses(first.stdout)
@@ -1896,7 +1920,7 @@ def test_train_gpt_trains_resumes_exactly_and_fine_tunes_from_its_weights(tmp_pa
     after = step_losses(resumed.stdout)
     assert sorted(after) == list(range(9, 13)), after
     # ... and continues exactly as an uninterrupted run would: same weights, optimizer state and batches
-    straight = run_train_gpt(run + [f"--out_dir={tmp_path / 'b'}", "--max_iters=12"])
+    straight = wait_train_gpt(straight)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     whole = step_losses(straight.stdout)
     assert {s: whole[s] for s in range(1, 9)} == losses

@@ -1386,13 +1386,16 @@ def test_ranks_that_disagree_get_an_error_not_a_hang():
 def test_estimate_reproduces_the_paper():
     gb = lambda s: sum(zero.estimate_memory(7.5e9, 64, s, "fp16")["device"].values()) / 1e9
     assert [round(gb(s), 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
-    out = subprocess.run([sys.executable, "zero.py", "estimate", "--params", "7.5e9", "--world-size", "64"],
-                         capture_output=True, text=True, check=True, cwd=HERE).stdout
+    cli = [sys.executable, "zero.py", "estimate", "--params", "7.5e9", "--world-size", "64"]
+    plain, hybrid = (subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=HERE)   # both at once: 2 cores
+                     for cmd in (cli, cli + ["--shard-group", "8"]))
+    out = _finish(plain, 120)[0]
+    assert plain.returncode == 0, out
     totals = [line.split()[-1] for line in out.splitlines()[2:6]]
     assert totals == ["120.0", "31.4", "16.6", "1.9"], out
     # hybrid sharding, 8 ranks per shard group: the formula with N = 8 (stage 0 shards nothing)
-    out = subprocess.run([sys.executable, "zero.py", "estimate", "--params", "7.5e9", "--world-size", "64",
-                          "--shard-group", "8"], capture_output=True, text=True, check=True, cwd=HERE).stdout
+    out = _finish(hybrid, 120)[0]
+    assert hybrid.returncode == 0, out
     totals = [line.split()[-1] for line in out.splitlines()[2:6]]
     assert totals == ["120.0", "41.2", "28.1", "15.0"], out
 
@@ -1937,20 +1940,35 @@ def test_train_gpt_trains_resumes_exactly_and_fine_tunes_from_its_weights(tmp_pa
     assert val_losses(tuned.stdout)[0] == pytest.approx(val_losses(resumed.stdout)[-1], abs=2e-4), tuned.stdout
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--no_such_option=1"], "unknown option --no_such_option"),
     (["--max_iters=ten"], "--max_iters=ten: expected int"),
     (["--data=/no/such/dataset"], "--data=/no/such/dataset: no such file or directory"),
     (["--data=SHORT"], "fewer than one block"),
     (["--init_from=OTHER"], "does not fit this model (load_state_dict: missing ['wpe.weight'"),
-])
-def test_train_gpt_bad_input_is_one_line(tmp_path, args, message):
-    short = tmp_path / "short.txt"
-    short.write_bytes(b"print('hi')\n")  # 12 bytes: not one 128-token block
-    torch.save({"wte.weight": torch.zeros(3, 3)}, tmp_path / "other.pt")   # another model's weights
-    args = [a.replace("SHORT", str(short)).replace("OTHER", str(tmp_path / "other.pt")) for a in args]
-    args += [f"--out_dir={tmp_path}"]
-    r = run_train_gpt(args, nproc=0, timeout=60)
+]
+_BAD_RUNS = {}
+
+
+def bad_input_run(root, i):
+    """train_gpt.py on BAD_INPUT[i], one process of its own with an out_dir of its own; the next case's process
+    starts meanwhile (each is an import of torch on one core: two cores run two)."""
+    short, other = root / "short.txt", root / "other.pt"
+    if not short.exists():
+        short.write_bytes(b"print('hi')\n")  # 12 bytes: not one 128-token block
+        torch.save({"wte.weight": torch.zeros(3, 3)}, other)   # another model's weights
+    for j in (i, i + 1):
+        if j < len(BAD_INPUT) and j not in _BAD_RUNS:
+            args = [a.replace("SHORT", str(short)).replace("OTHER", str(other)) for a in BAD_INPUT[j][0]]
+            _BAD_RUNS[j] = start_train_gpt(args + [f"--out_dir={root / str(j)}"], nproc=0)
+    return wait_train_gpt(_BAD_RUNS.pop(i), timeout=60)
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_train_gpt_bad_input_is_one_line(tmp_path_factory, args, message):
+    root = tmp_path_factory.getbasetemp() / "train_gpt_bad_input"
+    root.mkdir(exist_ok=True)
+    r = bad_input_run(root, BAD_INPUT.index((args, message)))
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()

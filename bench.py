@@ -172,7 +172,8 @@ def spawn(fn, world, args, timeout):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # a free port
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")     # fresh ranks forked from a server that imported torch and this file once
+    ctx.set_forkserver_preload(["__main__"])
     q = ctx.Queue()
     ps = [ctx.Process(target=_rank_main, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
     for p in ps:
@@ -791,7 +792,7 @@ def main():
     if zero is None:
         print(f"**import zero failed** ({ZERO_ERR}): only the peers are measured\n")
     zeros = [f"zero{s}" for s in range(4)]
-    o = dict(mem_preset="tiny", tput_preset="tiny", tput_embd=256, T=train_gpt.PRESETS["tiny"][3],
+    o = dict(mem_preset="tiny", tput_preset="tiny", tput_embd=64 if quick else 256, T=train_gpt.PRESETS["tiny"][3],
              B=2 if quick else 16, off_B=2, oh_B=1, oh_T=32, warmup=1 if quick else 2, rounds=1 if quick else 16,
              mem_variants=[("ddp", "fp32"), ("zero-opt", "fp32"), ("fsdp2", "fp32"), ("fsdp2", "bf16")]
              + [(z, d) for d in ("fp32", "bf16") for z in zeros] + [("zero2+off", "bf16"), ("zero3+off", "bf16")],

@@ -52,7 +52,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _leave(world, wait, seconds=10.0):
+    """Count this rank as done; one whose fn returned then waits (10 s at most) for the others before its group
+    goes: the group's store lives in rank 0, and a peer still waiting for an error reads the others' calls from
+    it. (A spawned process took seconds to exit after its fn; one forked from the forkserver does not.)"""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        done, end = store.add("zero_test_done", 1), time.monotonic() + seconds
+        while wait and done < world and time.monotonic() < end:
+            time.sleep(0.02)
+            done = store.add("zero_test_done", 0)
+    except Exception:       # the store's host already gone
+        pass
+
+
 def _entry(fn, rank, world, port, args, results):
+    ok = False
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -62,10 +77,12 @@ def _entry(fn, rank, world, port, args, results):
         buf = io.BytesIO()   # plain bytes: tensors through a Queue would need the child alive
         torch.save(fn(rank, world, *args), buf)
         results.put((rank, "ok", buf.getvalue()))
+        ok = True
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            _leave(world, ok)
             dist.destroy_process_group()
 
 
@@ -80,9 +97,19 @@ def _spawn_once(fn, world, *args):
     return _ONCE[key]
 
 
-def spawn(fn, world, *args):
-    """Run fn in `world` fresh processes; world 1 also gets a process of its own (no group)."""
-    ctx = mp.get_context("spawn")
+def _context(method):
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # the fresh processes fork from a server that imported torch, zero and this file once (a spawned one
+        # imports them itself: 4-5 s of CPU each, most of the suite's time at 8 ranks on 2 cores)
+        ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def spawn(fn, world, *args, method="forkserver"):
+    """Run fn in `world` fresh processes; world 1 also gets a process of its own (no group). method="spawn" for a
+    process that starts from nothing (the forkserver's were made with the environment of its first use)."""
+    ctx = _context(method)
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results), daemon=True)
@@ -956,7 +983,9 @@ def test_export_one_unit_at_a_time_and_the_models_own_methods():
 
 
 def _build_memory(rank, world, meta, n_blocks, d):
+    import ctypes
     import resource
+    ctypes.CDLL(None).mallopt(-3, 131072)   # M_MMAP_THRESHOLD: freed blocks go back to the system: RSS tells the truth
     torch.manual_seed(0)
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     # a small model first, so that one-time costs (the meta device's setup is ~75 MB of Python state,
@@ -978,11 +1007,7 @@ def _build_memory(rank, world, meta, n_blocks, d):
 
 def test_building_on_the_meta_device_holds_shards_plus_a_few_units():
     # 8 ranks at stage 3: a rank's shards (16 bytes per parameter / 8) are half the whole fp32 model
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"   # freed blocks go back to the system: RSS tells the truth
-    try:
-        r = spawn(_build_memory, 8, True, 24, 192)
-    finally:
-        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    r = spawn(_build_memory, 8, True, 24, 192)
     for x in r:
         assert abs(x["shards"] - 2 * x["psi"]) < 8 * 1024, x    # 16 bytes per parameter / 8 ranks, padded
         # the shards, a few whole fp32 units, and a margin for the allocator's own bookkeeping
@@ -1369,13 +1394,16 @@ def test_ranks_that_disagree_get_an_error_not_a_hang():
 def test_estimate_reproduces_the_paper():
     gb = lambda s: sum(zero.estimate_memory(7.5e9, 64, s, "fp16")["device"].values()) / 1e9
     assert [round(gb(s), 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
-    out = subprocess.run([sys.executable, "zero.py", "estimate", "--params", "7.5e9", "--world-size", "64"],
-                         capture_output=True, text=True, check=True, cwd=HERE).stdout
+    cli = [sys.executable, "zero.py", "estimate", "--params", "7.5e9", "--world-size", "64"]
+    plain, hybrid = (subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=HERE)   # both at once: 2 cores
+                     for cmd in (cli, cli + ["--shard-group", "8"]))
+    out = _finish(plain, 120)[0]
+    assert plain.returncode == 0, out
     totals = [line.split()[-1] for line in out.splitlines()[2:6]]
     assert totals == ["120.0", "31.4", "16.6", "1.9"], out
     # hybrid sharding, 8 ranks per shard group: the formula with N = 8 (stage 0 shards nothing)
-    out = subprocess.run([sys.executable, "zero.py", "estimate", "--params", "7.5e9", "--world-size", "64",
-                          "--shard-group", "8"], capture_output=True, text=True, check=True, cwd=HERE).stdout
+    out = _finish(hybrid, 120)[0]
+    assert hybrid.returncode == 0, out
     totals = [line.split()[-1] for line in out.splitlines()[2:6]]
     assert totals == ["120.0", "41.2", "28.1", "15.0"], out
 
@@ -1748,6 +1776,16 @@ def test_collectives_start_and_finish_during_backward():
             assert max(r["finish"]) >= 1, r     # finished while a unit's gradients had not come yet
 
 
+def _finish(p, timeout):
+    """(stdout, stderr) of a Popen'd process, killed (and the test failed) after timeout seconds."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+
+
 def test_processes_exit_cleanly(tmp_path):
     """A user's script ends after a few steps, with no os._exit: the processes exit 0, however the gloo threads and
     the offload thread stand at that moment (before, 10-30% of such runs aborted: "terminate called without an
@@ -1763,11 +1801,13 @@ def test_processes_exit_cleanly(tmp_path):
                       "    for s in range(2):\n"
                       "        e.backward(e(x[s, 2 * r:2 * r + 2], y[s, 2 * r:2 * r + 2])['loss']); e.step()\n"
                       "    e(x[0, 2 * r:2 * r + 2], y[0, 2 * r:2 * r + 2])   # a forward left in flight at exit\n")
-    for _ in range(6):
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            str(script)], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert p.returncode == 0 and "terminate called" not in p.stderr, p.stderr[-3000:]
+    for _ in range(3):                      # six runs, two at a time (a launcher imports torch on one core)
+        runs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc_per_node=2", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in range(2)]
+        for p in runs:
+            _, stderr = _finish(p, 120)
+            assert p.returncode == 0 and "terminate called" not in stderr, stderr[-3000:]
 
 
 def _reversed_case(rank, world):
@@ -1848,12 +1888,22 @@ TINY_GPT = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--ba
             "--lr=1e-2", "--min_lr=1e-3", "--lr_decay_iters=12"]
 
 
-def run_train_gpt(args, nproc=2, timeout=90):
-    """train_gpt.py under torchrun (nproc processes) or as one plain process (nproc=0)."""
+def start_train_gpt(args, nproc=2):
+    """train_gpt.py under torchrun (nproc processes) or as one plain process (nproc=0), started."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc \
         else [sys.executable]
-    return subprocess.run(launch + [TRAIN_GPT] + args, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.path.dirname(TRAIN_GPT))
+    return subprocess.Popen(launch + [TRAIN_GPT] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.path.dirname(TRAIN_GPT))
+
+
+def wait_train_gpt(p, timeout=90):
+    stdout, stderr = _finish(p, timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def run_train_gpt(args, nproc=2, timeout=90):
+    """train_gpt.py under torchrun (nproc processes) or as one plain process (nproc=0), to its end."""
+    return wait_train_gpt(start_train_gpt(args, nproc), timeout)
 
 
 def step_losses(stdout):
@@ -1867,6 +1917,8 @@ def val_losses(stdout):
 
 def test_train_gpt_trains_resumes_exactly_and_fine_tunes_from_its_weights(tmp_path):
     run = TINY_GPT + ["--stage=3", "--accum_steps=2"]
+    # the uninterrupted run of 12 steps (checked below) goes on meanwhile: it shares nothing with these
+    straight = start_train_gpt(run + [f"--out_dir={tmp_path / 'b'}", "--max_iters=12"])
     first = run_train_gpt(run + [f"--out_dir={tmp_path / 'a'}", "--max_iters=8"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     losses = step_losses(first.stdout)
@@ -1880,7 +1932,7 @@ def test_train_gpt_trains_resumes_exactly_and_fine_tunes_from_its_weights(tmp_pa
     after = step_losses(resumed.stdout)
     assert sorted(after) == list(range(9, 13)), after
     # ... and continues exactly as an uninterrupted run would: same weights, optimizer state and batches
-    straight = run_train_gpt(run + [f"--out_dir={tmp_path / 'b'}", "--max_iters=12"])
+    straight = wait_train_gpt(straight)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     whole = step_losses(straight.stdout)
     assert {s: whole[s] for s in range(1, 9)} == losses
@@ -1897,20 +1949,35 @@ def test_train_gpt_trains_resumes_exactly_and_fine_tunes_from_its_weights(tmp_pa
     assert val_losses(tuned.stdout)[0] == pytest.approx(val_losses(resumed.stdout)[-1], abs=2e-4), tuned.stdout
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--no_such_option=1"], "unknown option --no_such_option"),
     (["--max_iters=ten"], "--max_iters=ten: expected int"),
     (["--data=/no/such/dataset"], "--data=/no/such/dataset: no such file or directory"),
     (["--data=SHORT"], "fewer than one block"),
     (["--init_from=OTHER"], "does not fit this model (load_state_dict: missing ['wpe.weight'"),
-])
-def test_train_gpt_bad_input_is_one_line(tmp_path, args, message):
-    short = tmp_path / "short.txt"
-    short.write_bytes(b"print('hi')\n")  # 12 bytes: not one 128-token block
-    torch.save({"wte.weight": torch.zeros(3, 3)}, tmp_path / "other.pt")   # another model's weights
-    args = [a.replace("SHORT", str(short)).replace("OTHER", str(tmp_path / "other.pt")) for a in args]
-    args += [f"--out_dir={tmp_path}"]
-    r = run_train_gpt(args, nproc=0, timeout=60)
+]
+_BAD_RUNS = {}
+
+
+def bad_input_run(root, i):
+    """train_gpt.py on BAD_INPUT[i], one process of its own with an out_dir of its own; the next case's process
+    starts meanwhile (each is an import of torch on one core: two cores run two)."""
+    short, other = root / "short.txt", root / "other.pt"
+    if not short.exists():
+        short.write_bytes(b"print('hi')\n")  # 12 bytes: not one 128-token block
+        torch.save({"wte.weight": torch.zeros(3, 3)}, other)   # another model's weights
+    for j in (i, i + 1):
+        if j < len(BAD_INPUT) and j not in _BAD_RUNS:
+            args = [a.replace("SHORT", str(short)).replace("OTHER", str(other)) for a in BAD_INPUT[j][0]]
+            _BAD_RUNS[j] = start_train_gpt(args + [f"--out_dir={root / str(j)}"], nproc=0)
+    return wait_train_gpt(_BAD_RUNS.pop(i), timeout=60)
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_train_gpt_bad_input_is_one_line(tmp_path_factory, args, message):
+    root = tmp_path_factory.getbasetemp() / "train_gpt_bad_input"
+    root.mkdir(exist_ok=True)
+    r = bad_input_run(root, BAD_INPUT.index((args, message)))
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
@@ -2270,16 +2337,24 @@ def test_every_rank_starts_from_rank_0s_weights():
 # -----------------------------------------------------------------------------
 # a stalled rank (alive, not calling) makes its peer raise zero's error within about timeout_s, on gloo too
 
-def _stall_cases(rank, world, cases):
+def _stalled(raised, seconds=4.5):
+    """Rank 1 stalls for `seconds`, or until its peer has raised (the peer's error is all a case waits for)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not os.path.exists(raised):
+        time.sleep(0.02)
+
+
+def _stall_cases(rank, world, cases, root):
     out = []
     for j, (stage, where) in enumerate(cases):
         dist.barrier()                      # both ranks start each case together (the harness's group: 60 s)
         timeout = 2.0 + 0.01 * j            # process groups of their own for each case: a timeout breaks them
         engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", timeout_s=timeout))
         x, y = make_batches(1, 2)
-        stall = lambda at: time.sleep(4.5) if rank == 1 and at == where else None   # noqa: E731
+        raised = os.path.join(root, f"raised_{j}")
+        stall = lambda at: _stalled(raised) if rank == 1 and at == where else None   # noqa: E731
         if where == "in backward" and rank == 1:    # inside the backward, between two units
-            engine.module.blocks[1].register_full_backward_pre_hook(lambda *a: time.sleep(4.5))
+            engine.module.blocks[1].register_full_backward_pre_hook(lambda *a: _stalled(raised))
         t = time.monotonic()
         try:
             loss = engine(x[0, rank:rank + 1], y[0, rank:rank + 1])["loss"]
@@ -2290,18 +2365,19 @@ def _stall_cases(rank, world, cases):
             stall("in save")
             if where == "in save":
                 real = zero._sha256
-                zero._sha256 = lambda p: (time.sleep(4.5) if rank == 1 else None, real(p))[1]
-                zero.save(engine, f"/tmp/zero_stall_{os.getppid()}_{j}")
+                zero._sha256 = lambda p: (_stalled(raised) if rank == 1 else None, real(p))[1]
+                zero.save(engine, os.path.join(root, f"ck_{j}"))
                 zero._sha256 = real
             out.append(None)
         except RuntimeError as e:
             out.append((time.monotonic() - t, str(e).splitlines()[0][:200]))
+            open(raised, "w").close()
     return out
 
 
-def test_a_stalled_rank_is_an_error_within_timeout_s():
+def test_a_stalled_rank_is_an_error_within_timeout_s(tmp_path):
     cases = [(1, "in backward"), (3, "in backward"), (2, "before step"), (1, "before backward"), (2, "in save")]
-    for case, r in zip(cases, spawn(_stall_cases, 2, cases)[0]):
+    for case, r in zip(cases, spawn(_stall_cases, 2, cases, str(tmp_path))[0]):
         assert r is not None, case
         seconds, msg = r
         assert msg.startswith("zero: ") and seconds < 2 + 3, (case, seconds, msg)
@@ -2740,10 +2816,20 @@ def _script_calls(rank, world, stage):
     return out
 
 
+def _script_calls_stages(rank, world):
+    out = {}
+    for stage in range(4):                  # one spawn for the four stages; each compiles from a clean Dynamo
+        torch._dynamo.reset()
+        dist.barrier()
+        out[stage] = _script_calls(rank, world, stage)
+    return out
+
+
 def test_a_ddp_scripts_clip_grad_norm_and_compile_after_wrapping():
     ref = reference_run(make_model, tiny_batches, STEPS, 2, 2, loss_of=lambda out: out["loss"], clip=0.25)
+    res = spawn(_script_calls_stages, 2)
     for stage in range(4):
-        out = spawn(_script_calls, 2, stage)
+        out = [x[stage] for x in res]
         r = out[0]
         assert r["compiled is the engine"], stage
         # the norm torch's clip_grad_norm_ returns is the true global norm, and the step clips at the script's c

@@ -488,8 +488,8 @@ void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m
 """
 # -fno-math-errno lets sqrtf vectorise, -fno-trapping-math the selects (without AVX-512's masks gcc keeps a
 # loop with branches scalar, 4x slower); neither changes a result. No -ffast-math: it changes rounding, NaNs
-ADAMW_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared",
-               "-fPIC"]
+ADAMW_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+               "-shared", "-fPIC"]
 MIN_PER_THREAD = 1 << 17    # parameters: waking another thread for fewer costs more than it saves
 _kernel, _kernel_lock, _pools = [], threading.Lock(), {}   # _kernel: [] untried, [fn], or [None] (failed)
 

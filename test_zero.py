@@ -2841,6 +2841,30 @@ def test_a_ddp_scripts_clip_grad_norm_and_compile_after_wrapping():
                 assert "rank 0 made 1 no_grad forward() more than rank 1" in o["uneven"][1], (rank, o["uneven"][1])
 
 
+def _check_calls_case(rank, world):
+    # Config.check_calls: every call is checked through the store before its collectives. Rank 1 stops
+    # training after one step and asks for the weights; rank 0 goes on to a second backward
+    xs, ys = make_batches(2, 2 * world)
+    sl = slice(2 * rank, 2 * rank + 2)
+    engine = zero.Zero(make_model(), zero.Config(stage=2, dtype="fp32", lr=LR, timeout_s=3, check_calls=True))
+    engine.backward(engine(xs[0, sl], ys[0, sl])["loss"])
+    engine.step()
+    t = time.monotonic()
+    try:
+        engine.backward(engine(xs[1, sl], ys[1, sl])["loss"]) if rank == 0 else engine.full_state_dict()
+        return None
+    except RuntimeError as e:
+        return time.monotonic() - t, str(e)
+
+
+def test_check_calls_stops_the_first_call_the_ranks_do_not_share():
+    for rank, r in enumerate(spawn(_check_calls_case, 2)):
+        assert r is not None and r[0] < 3 + 5, (rank, r)
+        what = "backward() #3" if rank == 0 else "full_state_dict() #3"
+        assert f"zero: {what}: the other ranks did not make this call within 0:00:03" in r[1], (rank, r[1])
+        assert "rank 0: backward() #3" in r[1] and "rank 1: full_state_dict() #3" in r[1], (rank, r[1])
+
+
 # -----------------------------------------------------------------------------
 # torch.compile: the engine's hooks are opaque to Dynamo, so graphs break where a unit begins or ends (and
 # around the root's modules, which start a forward) and the blocks in between are compiled

@@ -875,8 +875,8 @@ class Unit:
 
 
 def _regather(units):
-    # stages 1-2 after an update or a load: the owned slices to every rank, all launched before any is waited
-    # for
+    # stages 1-2 after an update, a load or (offload) the host update: the owned slices to every rank, all
+    # launched before any is waited for
     for wait in (False, True):
         for u in units:
             u.unshard(wait)
@@ -1810,8 +1810,7 @@ class Zero:
         """Every unit's host update done and (stages 1-2 with offload) gathered: the state is this step's."""
         for u in self.units if self.worker else ():
             self.worker.wait(u)
-        for u in self.units if self.plan.offload and self.plan.regathers else ():
-            u.unshard()
+        _regather(self.units if self.plan.offload and self.plan.regathers else [])
 
     def _diverged(self):
         # the ranks' collectives or calls differed in this step: say which, change nothing, and stop

@@ -1,14 +1,11 @@
 """
 zero.py: ZeRO data parallelism for PyTorch in one file.
 
-Stages 0-3 of "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (Rajbhandari et al.,
-2020) by reduce-scatter / all-gather over torch.distributed: fp16/bf16 compute on fp32 master weights,
-dynamic loss scaling, activation recompute, ZeRO-Offload's CPU Adam (Ren et al., 2021), hybrid sharding,
-frozen parameters sharded like the rest (LoRA), models built on the meta device, torch's optimizers and LR
-schedulers, sharded checkpoints, a ledger of memory and communication. One code path for CUDA/NCCL and
-CPU/gloo.
+ZeRO stages 0-3 (Rajbhandari et al., 2020) over torch.distributed, one code path for CUDA/NCCL and CPU/gloo:
+fp16/bf16 compute on fp32 master weights, loss scaling, activation recompute, ZeRO-Offload's CPU Adam (Ren et
+al., 2021), hybrid sharding, frozen parameters (LoRA), meta-device models, torch's optimizers and schedulers,
+sharded checkpoints, a ledger of memory and communication.
 
-    import zero
     rank, world_size, device = zero.init_distributed()
     model = zero.Zero(model, zero.Config(stage=3, dtype="bf16"), optimizer=opt)   # opt: your torch AdamW
     loss = model(x, y); model.backward(loss); opt.step()   # the engine is called, and read, like the model
@@ -17,9 +14,8 @@ CPU/gloo.
     python zero.py estimate --params 7.5e9 --world-size 64 [--shard-group 8] [--frozen-params 3e10]
     python zero.py consolidate CKPT_DIR OUT.pt
 
-Sections, in the order data flows: 1. Config, Plan  2. Collectives  3. Loss scaler  4. AdamW  5. Flat buffers
-and units (a unit's lifecycle)  6. The schedule (one order on every rank)  7. The engine  8. Checkpoints
-9. Memory estimator, command line
+Sections: 1. Config, Plan  2. Collectives  3. Loss scaler  4. AdamW  5. Flat buffers, units  6. The schedule
+7. The engine  8. Checkpoints  9. Memory estimator, command line
 """
 
 import argparse, atexit, collections, contextlib, ctypes, dataclasses, datetime  # noqa: E401
@@ -27,9 +23,7 @@ import functools, hashlib, heapq, itertools, json, math, os, platform, queue, sh
 import subprocess, tempfile, threading, time, warnings, weakref, zlib  # noqa: E401
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
+import torch, torch.distributed as dist, torch.nn as nn  # noqa: E401
 from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint as recompute
@@ -46,61 +40,54 @@ _DTYPE_NAMES = {**{k: k for k in DTYPES}, "float32": "fp32", "bfloat16": "bf16",
 @dataclasses.dataclass
 class Config:
     stage: int = 2                  # 0 plain DP | 1 shard optimizer states | 2 + gradients | 3 + parameters
-    dtype: str = "bf16"             # compute dtype of parameters and gradients: "fp32" | "bf16" | "fp16"
-    # gradient reductions and their sum over micro-batches: "" = dtype | "fp32"
-    reduce_dtype: str = ""
-    # frozen parameters: "" = held in dtype | "fp32": exact, cast when gathered
-    frozen_dtype: str = ""
-    lr: float = 3e-4                # AdamW learning rate (a scheduler on engine.optimizer changes it)
-    betas: tuple = (0.9, 0.95)      # AdamW moment decay rates
-    eps: float = 1e-8               # AdamW denominator epsilon
-    # decoupled weight decay (parameters in no param group: those of >= 2 dims)
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0          # clip the global gradient norm to this; 0 turns clipping off
+    dtype: str = "bf16"             # compute: "fp32" | "bf16" | "fp16"
+    reduce_dtype: str = ""          # gradient reductions and sums: "" = dtype | "fp32"
+    frozen_dtype: str = ""          # frozen parameters: "" = dtype | "fp32" (cast when gathered)
+    lr: float = 3e-4                # AdamW's (a scheduler on engine.optimizer changes it)
+    betas: tuple = (0.9, 0.95)      # AdamW's
+    eps: float = 1e-8               # AdamW's
+    weight_decay: float = 0.1       # decoupled; with no param groups, on parameters of >= 2 dims only
+    grad_clip: float = 1.0          # the global gradient norm's limit; 0 = none
     accum_steps: int = 1            # micro-batches (backward calls) per optimizer step
     checkpoint: object = False      # recompute activations: False | True (every unit) | k (every k-th unit)
     offload: bool = False           # ZeRO-Offload: master, Adam moments, grad shard on the host (stages 1-3)
-    shard_group: int = 0            # hybrid: shard within groups of this many consecutive ranks (a node),
-                                    # replicate across them; 0 = all ranks (stages 1-3)
-    prefetch: bool = True           # start the next unit's all-gather while this one computes
+    shard_group: int = 0            # hybrid: shard in groups of this many ranks, replicate across; 0 = all
+    prefetch: bool = True           # all-gather the next unit while this one computes
     loss_scale: float = 2.0 ** 16   # fp16: initial dynamic loss scale
     loss_scale_window: int = 1000   # fp16: clean steps before the scale doubles
-    hysteresis: int = 2             # fp16: overflows tolerated before the scale starts halving
-    min_loss_scale: float = 1.0     # fp16: the scale never drops below this
+    hysteresis: int = 2             # fp16: overflows tolerated before it starts halving
+    min_loss_scale: float = 1.0     # fp16: its floor
     timeout_s: float = 300.0        # every process group the engine makes ends a hang after this
     waits: str = "auto"             # "nccl": stream-ordered | "gloo": timed CPU waits | "auto": the backend's
-    check_calls: bool = False       # every forward/backward/step checked across ranks (a store round trip
-                                    # each; also TORCH_DISTRIBUTED_DEBUG=DETAIL); default: a fingerprint
+    check_calls: bool = False       # check each call across ranks (or TORCH_DISTRIBUTED_DEBUG=DETAIL)
 
     def validate(self):
         name = lambda x: _DTYPE_NAMES.get(x) if isinstance(x, (str, torch.dtype)) else None   # noqa: E731
-        d, k, g = name(self.dtype), self.checkpoint, self.shard_group
-        extra = {a: getattr(self, a) or "" for a in ("reduce_dtype", "frozen_dtype")}
+        s, d, a, k, g, b = (self.stage, name(self.dtype), self.accum_steps, self.checkpoint, self.shard_group,
+                            self.betas)
+        extra = {f: getattr(self, f) or "" for f in ("reduce_dtype", "frozen_dtype")}
         for bad, what in (
-                (self.stage not in (0, 1, 2, 3), f"stage={self.stage!r}: use 0 (plain DP), 1, 2 or 3"),
+                (s not in (0, 1, 2, 3), f"stage={s!r}: use 0 (plain DP), 1, 2 or 3"),
                 (d is None, f"dtype={self.dtype!r}: use one of {list(DTYPES)}, or torch's names"),
-                (any(v and name(v) not in ("fp32", d) for v in extra.values()),
-                 f'{extra}: use "" (the compute dtype) or "fp32"'),
-                (not (isinstance(self.accum_steps, int) and self.accum_steps >= 1),
-                 f"accum_steps={self.accum_steps!r}: use an integer >= 1"),
+                (any(v and name(v) not in ("fp32", d) for v in extra.values()), f'{extra}: use "" or "fp32"'),
+                (not (isinstance(a, int) and a >= 1), f"accum_steps={a!r}: use an integer >= 1"),
                 (not isinstance(k, bool) and not (isinstance(k, int) and k >= 1),
                  f"checkpoint={k!r}: use False, True, or k >= 1 (every k-th unit)"),
-                (self.offload and self.stage == 0, "offload=True needs stage 1, 2 or 3"),
+                (self.offload and s == 0, "offload=True needs stage 1, 2 or 3"),
                 (not (self.lr >= 0 and self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0),
                  "lr, weight_decay and grad_clip must be >= 0, eps > 0"),
-                (len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas),
-                 f"betas={self.betas!r}: use two numbers in [0, 1)"),
+                (len(b) != 2 or not all(0 <= x < 1 for x in b), f"betas={b!r}: use two numbers in [0, 1)"),
                 (self.hysteresis < 1 or self.loss_scale_window < 1 or self.min_loss_scale <= 0,
                  "hysteresis and loss_scale_window must be >= 1, min_loss_scale > 0"),
-                (not (isinstance(g, int) and g >= 0) or (self.stage == 0 and g),
-                 f"shard_group={g!r} at stage {self.stage}: use 0 (all ranks), or k ranks at stages 1-3"),
+                (not (isinstance(g, int) and g >= 0) or (s == 0 and g),
+                 f"shard_group={g!r} at stage {s}: use 0 (all ranks), or k ranks at stages 1-3"),
                 (self.timeout_s <= 0 or self.waits not in ("auto", "nccl", "gloo"),
                  f"timeout_s={self.timeout_s!r}, waits={self.waits!r}: use seconds > 0; auto, nccl or gloo")):
             if bad:
                 raise ValueError(f"zero.Config: {what}")
         self.dtype = d
-        for a, v in extra.items():          # "", or the compute dtype itself: nothing extra
-            setattr(self, a, "fp32" if v and name(v) != d else "")
+        for f, v in extra.items():          # "", or the compute dtype itself: nothing extra
+            setattr(self, f, "fp32" if v and name(v) != d else "")
         return self
 
 
@@ -108,7 +95,7 @@ class Config:
 class Plan:
     """What the stages differ in, one name each, with the dtypes and devices: made once from the Config and
     the process group, the only place a stage number is read. Model states per rank for Ψ parameters on N
-    ranks (N: the shard group with hybrid sharding), 16-bit compute, K = 12 bytes of fp32 master and Adam:
+    ranks (the shard group's with hybrid sharding), 16-bit compute, K = 12 bytes of fp32 master and Adam:
 
       stage  parameters          gradients                        master + Adam   bytes per rank
       0      whole               whole, all-reduced in backward   whole           (2 + 2 + K) Ψ
@@ -117,10 +104,10 @@ class Plan:
       3      gathered per unit   reduce-scattered in backward     sharded         (2 + 2 + K)Ψ/N
 
     Frozen parameters (no gradient, no optimizer state) are whole at stages 0-2, sharded at stage 3."""
-    shards_optim: bool              # fp32 master weights and Adam moments: this rank's shard (stages 1-3)
+    shards_optim: bool              # fp32 master and Adam moments: this rank's shard (stages 1-3)
     shards_grads: bool              # gradients reduce-scattered in backward, the whole ones freed (2-3)
     shards_params: bool             # parameters gathered per unit for each use, freed after (3)
-    regathers: bool                 # parameters whole: updated slices all-gathered after an update (1-2)
+    regathers: bool                 # whole parameters: updated slices all-gathered after an update (1-2)
     gathers_lazily: bool            # forwards gather (stage 3; offload: the slices the host update wrote)
     offload: bool                   # master, moments and the gradient shard on the host
     pin: bool                       # offload on CUDA: pinned host memory, and a staging copy
@@ -139,15 +126,14 @@ class Plan:
 
     @staticmethod
     def of(cfg, net):
-        s, dtype = cfg.stage, DTYPES[cfg.dtype]
+        s, dtype, off = cfg.stage, DTYPES[cfg.dtype], cfg.offload
         return Plan(shards_optim=s >= 1, shards_grads=s >= 2, shards_params=s == 3, regathers=s in (1, 2),
-                    gathers_lazily=s == 3 or cfg.offload, offload=cfg.offload,
-                    pin=cfg.offload and net.device.type == "cuda",
-                    master_is_param=dtype == torch.float32 and not cfg.offload,
-                    frozen_fp32=bool(cfg.frozen_dtype), prefetch=cfg.prefetch, accum=cfg.accum_steps,
-                    dtype=dtype, grad_dtype=torch.float32 if cfg.reduce_dtype else dtype, device=net.device,
-                    host=torch.device("cpu") if cfg.offload else net.device, replicas=net.replicas,
-                    shards=net.shards if s else net.world, shard_rank=net.shard_rank if s else net.rank,
+                    gathers_lazily=s == 3 or off, offload=off, pin=off and net.device.type == "cuda",
+                    master_is_param=dtype == torch.float32 and not off, frozen_fp32=bool(cfg.frozen_dtype),
+                    prefetch=cfg.prefetch, accum=cfg.accum_steps, dtype=dtype, device=net.device,
+                    grad_dtype=torch.float32 if cfg.reduce_dtype else dtype, replicas=net.replicas,
+                    host=torch.device("cpu") if off else net.device, shards=net.shards if s else net.world,
+                    shard_rank=net.shard_rank if s else net.rank,
                     divide=divide_factors(net.world * cfg.accum_steps))
 
 
@@ -160,12 +146,11 @@ def divide_factors(n):
 # -----------------------------------------------------------------------------
 # 2. Distributed setup and collectives
 #
-# All-reduce (stage 0's gradients), reduce-scatter (a gradient summed over ranks, each keeping its slice) and
-# all-gather (each rank's slice of the parameters to all) carry ZeRO, one call per unit's flat buffer. With
-# one process they turn into copies, or nothing: the same code runs.
+# All-reduce (stage 0's gradients), reduce-scatter (a sum over ranks, each keeping its slice) and all-gather
+# (each rank's slice to all) carry ZeRO, one call per unit's flat buffer; on one process they are copies.
 
 def init_distributed(timeout_s=300.0):
-    """Join the torchrun job described by RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
+    """Join the torchrun job of RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -181,8 +166,7 @@ def init_distributed(timeout_s=300.0):
     return rank, world, device
 
 
-# torch 2.13 renamed the flat collectives (>= 2.4 has the old names); looked up at each call, so that a test
-# can wrap them (the suite's NCCL-like harness does)
+# torch 2.13's names (>= 2.4 has the old ones); looked up at each call, so that a test can wrap them
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_reduce, _broadcast = dist.all_reduce, dist.broadcast
@@ -194,20 +178,6 @@ EVERY_RANK = ("every rank calls forward (stage 3 or offload), backward, step, fu
               "load_state_dict, save and load together (HF generate() at stage 3: synced_gpus=True)")
 
 
-def _device(pg):
-    # NCCL ranks compute on their GPU, gloo ranks on the CPU (a group made without a backend has both: its
-    # backend config says which the GPU's tensors take)
-    config = str(dist.get_backend_config(pg)) if pg is not None and hasattr(dist, "get_backend_config") \
-        else ""
-    if not torch.cuda.is_available() or (pg is not None and "nccl" not in config + str(dist.get_backend(pg))):
-        return torch.device("cpu")
-    want = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())) % torch.cuda.device_count()
-    if torch.cuda.current_device() != want:
-        raise RuntimeError("zero: the current CUDA device is not LOCAL_RANK's: call "
-                           f"torch.cuda.set_device({want}) first (zero.init_distributed does)")
-    return torch.device("cuda", want)
-
-
 def fingerprint(trace):
     """A step's collectives and calls as 4 integers of 12 bits: summed over N ranks with their squares in
     fp64, all ranks agree iff N * sum(c^2) == sum(c)^2 for each, exactly while N < 2^29."""
@@ -216,60 +186,62 @@ def fingerprint(trace):
 
 
 class Comm:
-    """The engine's collectives on process groups made with Config.timeout_s: `shard` (gathers, reductions:
-    one communicator, as FSDP2, so one order is kept trivially), `replica` (hybrid: the reduced shard summed
-    across shard groups), `world` (the step's all-reduce, the setup, Python objects; without hybrid the shard
-    group). Launches are asynchronous, counted in the ledger as a ring sends them (all-reduce 2M(n-1)/n,
-    reduce-scatter and all-gather M(n-1)/n elements for M on n ranks) and traced as (kind, unit) for the
-    step's fingerprint; `held` and `peak` count the bytes of parameter buffers allocated."""
+    """The engine's process groups, made with timeout_s: `shard` (gathers and reductions on one communicator,
+    as FSDP2: one order, trivially), `replica` (hybrid: the reduced shard summed across shard groups), `world`
+    (the step's all-reduce, the setup, objects; the shard group without hybrid). Launches are asynchronous,
+    counted in the ledger as a ring sends them and traced for the fingerprint."""
 
     def __init__(self, cfg, group=None):
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        self.ledger, self.trace = {}, []    # bytes per kind; launches and calls since the step
-        self.held = self.peak = 0
+        self.ledger, self.trace, self.held, self.peak = {}, [], 0, 0    # held, peak: parameter buffer bytes
+        self.calls, self.log = collections.Counter(), collections.deque(maxlen=6)   # for the errors
+        self.check_calls = cfg.check_calls or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
         up = dist.is_available() and dist.is_initialized()
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if up else [0]
         self.world, self.rank = len(self.ranks), self.ranks.index(dist.get_rank()) if up else 0
-        self.device = _device(group or dist.group.WORLD if up else None)
+        # NCCL ranks compute on their GPU, gloo ranks on the CPU (the backend config of a group made without a
+        # backend says which the GPU's tensors take)
+        pg, self.device = group or dist.group.WORLD if up else None, torch.device("cpu")
+        conf = str(dist.get_backend_config(pg)) if pg is not None and hasattr(dist, "get_backend_config") \
+            else ""
+        if torch.cuda.is_available() and (pg is None or "nccl" in conf + str(dist.get_backend(pg))):
+            want = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())) % torch.cuda.device_count()
+            if torch.cuda.current_device() != want:
+                raise RuntimeError(f"zero: the current CUDA device is not LOCAL_RANK's: call "
+                                   f"torch.cuda.set_device({want}) first (zero.init_distributed does)")
+            self.device = torch.device("cuda", want)
         # NCCL's untimed wait orders streams and lets the CPU run ahead; gloo's blocks the CPU, with a timeout
         self.stream_waits = self.device.type == "cuda" if cfg.waits == "auto" else cfg.waits == "nccl"
         k = (cfg.shard_group if cfg.stage else 0) or self.world
         if self.world % k:
             raise ValueError(f"zero.Config: shard_group={k} does not divide the {self.world} ranks; "
                              "use a divisor")
-        # a user's group on a default group bound to a device: NCCL splits sub-groups from it, which every
-        # rank of the default group must join
+        # NCCL splits sub-groups from a device-bound default group, which all its ranks must join
         bound = group is not None and getattr(dist.group.WORLD, "bound_device_id", None) is not None
         if bound and k < self.world:
             raise ValueError("zero.Zero: hybrid sharding on group= under init_process_group(device_id=...): "
                              "init without device_id, or pass no group")
-        # shard group: k consecutive ranks holding one copy of the model states; replica group: the ranks
-        # holding the same shard, one per shard group
-        self.shards, self.shard_rank = k, self.rank % k
-        self.replica, self.replicas = self.rank // k, self.world // k
-        subsets = dict(shard=[self.ranks[i:i + k] for i in range(0, self.world, k)],
-                       replica=[self.ranks[j::k] for j in range(k)] if k < self.world else [],
-                       world=[self.ranks] if k < self.world else [])
-        self.groups = {}
-        for purpose, sets in subsets.items():
-            # every rank makes every group, in one order (new_group is collective)
-            for s in sets:
+        # shard groups: k consecutive ranks, one copy of the model states; replica groups: one rank of each
+        self.shards, self.replicas, (self.replica, self.shard_rank) = k, self.world // k, divmod(self.rank, k)
+        hybrid, self.groups = k < self.world, {}
+        for purpose, sets in (("shard", [self.ranks[i:i + k] for i in range(0, self.world, k)]),
+                              ("replica", [self.ranks[j::k] for j in range(k)] if hybrid else []),
+                              ("world", [self.ranks] if hybrid else [])):
+            for s in sets:                  # new_group is collective: every rank makes each, in order
                 key = (tuple(s), purpose, id(dist.group.WORLD), cfg.timeout_s)
                 if len(s) > 1 and key not in _GROUPS and not bound:
                     _GROUPS[key] = dist.new_group(list(s), timeout=self.timeout,
                                                   use_local_synchronization=group is not None)
-                if self.ranks[self.rank] in s:      # (bound: the user's group itself, with its own timeout)
+                if self.ranks[self.rank] in s:      # bound: the user's group itself
                     self.groups[purpose] = (group if bound and len(s) > 1 else _GROUPS.get(key), len(s))
         self.groups.setdefault("world", self.groups["shard"])
-        self.calls, self.log = collections.Counter(), collections.deque(maxlen=6)   # for the errors
-        self.check_calls = cfg.check_calls or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
         serial = _SERIALS.setdefault(tuple(self.ranks), itertools.count())
         self.prefix, self.store = f"zero/{'-'.join(map(str, self.ranks))[:64]}/{next(serial)}", None
         if self.world > 1:
             with contextlib.suppress(Exception):
                 self.store = dist.distributed_c10d._get_default_store()
             # NCCL makes a communicator at its first call: here, not at peak memory
-            for pg, n in {id(g): (g, n) for g, n in self.groups.values()}.values():
+            for pg in {id(g): g for g, _ in self.groups.values()}.values():
                 self.wait(_all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True))
 
     def count(self, kind, elems, elem_size):
@@ -317,8 +289,7 @@ class Comm:
         if n > 1:
             self.wait(_broadcast(t, self.ranks[0], group=pg, async_op=True))
 
-    def same(self, h):
-        # whether every rank has the same integer h (< 2^62): one tiny all-reduce, MAX of h and of -h
+    def same(self, h):                      # every rank's integer h (< 2^62) the same? MAX of h and of -h
         pg, n = self.groups["world"]
         t = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
         if n > 1:
@@ -330,16 +301,14 @@ class Comm:
         if self.world > 1:
             try:
                 dist.all_gather_object(out, obj, group=self.groups["world"][0])
-            except RuntimeError as e:       # (a stalled, dead or diverged rank, as in wait())
+            except RuntimeError as e:       # a stalled, dead or diverged rank, as in wait()
                 self.wait(e)
         return out
 
     def agree(self, what, check=False):
-        """A collective-taking call, counted in the step's fingerprint. The calls a script may make on one
-        rank only (RARE), those after evaluation forwards (`check`: an evaluation split unevenly over the
-        ranks), and every call with Config.check_calls are checked first through the store: each rank
-        counts itself in at key n; all go on once one call has all. (A collective made on one rank alone
-        would pair with another's: gloo aborts, NCCL hangs or mixes them.)"""
+        """A collective-taking call, counted in the fingerprint. RARE ones, those after evaluation forwards
+        (`check`) and, with check_calls, all are first checked through the store, each rank counting itself in
+        at key n: a collective made on one rank alone would pair with another's (gloo aborts, NCCL hangs)."""
         self.calls[what] += 1
         n = sum(self.calls.values())
         self.log.append(f"{what}() #{n}")
@@ -352,23 +321,23 @@ class Comm:
             if self.store.add(f"{key}/{what}", 1) == self.world:
                 self.store.set(f"{key}/all", what)
             self.store.wait([f"{key}/all"], self.timeout)
-        except Exception as e:              # (the store's timeout)
+        except Exception as e:              # the store's timeout
             raise RuntimeError(f"zero: {what}() #{n}: the other ranks did not make this call within "
                                f"{self.timeout} ({self.report()}); {EVERY_RANK}") from e
 
     def report(self):
-        # what each rank called, through the store: this rank's counts and last calls written, the others'
-        # read (those that failed write theirs too)
+        # what each rank called: this rank's counts and last calls written to the store, the others' read
         if self.store is None:
             return f"rank {self.rank} called " + ", ".join(self.log)
+        key = f"{self.prefix}/last/"
         with contextlib.suppress(Exception):
-            self.store.set(f"{self.prefix}/last/{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
+            self.store.set(f"{key}{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
         seen, deadline = {}, time.monotonic() + min(3.0, self.timeout.total_seconds() / 2)
         while len(seen) < self.world and time.monotonic() < deadline:
             for r in set(range(self.world)) - set(seen):
                 with contextlib.suppress(Exception):
-                    if self.store.check([f"{self.prefix}/last/{r}"]):
-                        seen[r] = json.loads(self.store.get(f"{self.prefix}/last/{r}"))
+                    if self.store.check([f"{key}{r}"]):
+                        seen[r] = json.loads(self.store.get(f"{key}{r}"))
             time.sleep(0.05 * (len(seen) < self.world))
         last = "; ".join(f"rank {r}: {log[-1]} (after {', '.join(log[-3:-1]) or 'nothing'})"
                          for r, (_, log) in sorted(seen.items())[:8] if log)
@@ -387,12 +356,12 @@ def _more_calls(counts):
 # -----------------------------------------------------------------------------
 # 3. Loss scaler
 #
-# fp16 keeps 5 exponent bits: gradients under ~6e-8 flush to zero. A large loss scale lifts them into range; a
-# too-large one overflows to inf, which the step detects (the norm is not finite), skips, and answers.
+# fp16 flushes gradients under ~6e-8 to zero: a loss scale lifts them into range; one too large overflows to
+# inf, which the step detects (the norm is not finite) and skips.
 
 class LossScaler:
-    """Dynamic loss scale for fp16 (DeepSpeed's rule): double after `window` clean steps; on overflow skip the
-    step, and once `hysteresis` overflows are used up, halve the scale."""
+    """DeepSpeed's rule: double after `window` clean steps; on overflow skip the step, and once `hysteresis`
+    overflows are used up, halve the scale."""
 
     def __init__(self, cfg):
         self.enabled = cfg.dtype == "fp16"
@@ -401,20 +370,19 @@ class LossScaler:
         self.clean_steps, self.hysteresis_left = 0, cfg.hysteresis
 
     def update(self, overflow):
-        if not self.enabled:
-            return
-        if not overflow:                    # a scale that never grows wastes fp16's range
+        if self.enabled and not overflow:   # a scale that never grows wastes fp16's range
             self.clean_steps += 1
             if self.clean_steps == self.window:
                 self.scale, self.clean_steps, self.hysteresis_left = self.scale * 2, 0, self.hysteresis
-        elif self.hysteresis_left > 1:      # a lone overflow costs no halving, the next ones do
-            self.clean_steps, self.hysteresis_left = 0, self.hysteresis_left - 1
-        elif self.scale <= self.floor:      # halving cannot help: keep skipping, and say so
+        elif self.enabled:
             self.clean_steps = 0
-            warnings.warn(f"zero: fp16 gradients overflow at the minimum loss scale {self.floor}; the step "
-                          "is skipped again: lower the lr, check the data, or use bf16")
-        else:
-            self.clean_steps, self.scale = 0, max(self.scale / 2, self.floor)
+            if self.hysteresis_left > 1:    # a lone overflow costs no halving, the next ones do
+                self.hysteresis_left -= 1
+            elif self.scale <= self.floor:  # halving cannot help: keep skipping, and say so
+                warnings.warn(f"zero: fp16 gradients overflow at the minimum loss scale {self.floor}; the "
+                              "step is skipped again: lower the lr, check the data, or use bf16")
+            else:
+                self.scale = max(self.scale / 2, self.floor)
 
     def state_dict(self):
         return dict(scale=self.scale, clean_steps=self.clean_steps, hysteresis_left=self.hysteresis_left)
@@ -422,15 +390,13 @@ class LossScaler:
     def load_state_dict(self, sd):
         self.scale, self.clean_steps, self.hysteresis_left = (sd[k] for k in ("scale", "clean_steps",
                                                                                "hysteresis_left"))
+
 # -----------------------------------------------------------------------------
 # 4. AdamW
 #
-# The update runs on this rank's fp32 slice (master, exp_avg, exp_avg_sq: the paper's K = 12 bytes per
-# parameter) and is memory-bound. On CUDA torch's fused AdamW does it; on the CPU (ZeRO-Offload, CPU training)
-# a short C kernel does what torch's does, operation for operation, in one pass that also reads a bf16
-# gradient and writes the bf16 weights (torch's kernel and a copy make two passes). Built once with the
-# system's C compiler into ~/.cache/zero_py; without one, zero warns once and uses torch's kernel.
-
+# The update is memory-bound on this rank's fp32 slice (master, exp_avg, exp_avg_sq). On CUDA torch's fused
+# AdamW runs it; on the CPU a C kernel (built once into ~/.cache/zero_py; with no compiler, a warning and
+# torch's) does torch's operations in one pass that also reads a bf16 gradient and writes the bf16 weights.
 ADAMW_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -438,29 +404,23 @@ ADAMW_C = r"""
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
-static inline float bf16_in(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t bf16_out(float f) {  /* round to nearest even; NaN stays NaN, as torch's .to() */
+#define INLINE static inline __attribute__((always_inline))
+static inline float bf16_in(uint32_t h) { h <<= 16; float f; memcpy(&f, &h, 4); return f; }
+static inline uint16_t bf16_out(float f) {  /* to nearest even, NaN stays NaN: torch's .to() */
   uint32_t u; memcpy(&u, &f, 4); return f != f ? 0xffff : (u + 0x7fff + ((u >> 16) & 1)) >> 16; }
-/* adamw_step fills 8, adamw 2 */
-typedef struct { float decay, scale, w, b2, w2, nstep, bc2s, eps, hi, lo; } hyper;
-/* one parameter, as ATen's fused CPU AdamW computes it (-ffp-contract=off: only these fmaf fuse) */
-static inline __attribute__((always_inline)) float update(int bg, int div, int64_t i, float *p, const void *g,
-    float *m, float *v, hyper h) {
+typedef struct { float decay, scale, w, b2, w2, nstep, bc2s, eps, hi, lo; } hyper;  /* adamw sets hi, lo */
+/* one parameter as ATen's fused CPU AdamW computes it (-ffp-contract=off: only these fmaf fuse) */
+INLINE float update(int bg, int div, int64_t i, float *p, const void *g, float *m, float *v, hyper h) {
   const int near = fabsf(h.w) < 0.5f; const float wl = near ? h.w : h.w - 1;  /* torch's lerp */
-  float gi = bg ? bf16_in(((const uint16_t *)g)[i]) : ((const float *)g)[i];
-  if (div) gi /= h.scale;
+  float gi = bg ? bf16_in(((const uint16_t *)g)[i]) : ((const float *)g)[i];  if (div) gi /= h.scale;
   float mi = fmaf(wl, gi - m[i], near ? m[i] : gi), vi = fmaf(h.w2 * gi, gi, v[i] * h.b2);
-  /* sqrt(vi) / bc2s with no divide (it bounds this loop): q within an ulp, Markstein's fma step rounds it */
+  /* sqrt(vi) / bc2s with no divide (it bounds the loop): q within an ulp, Markstein's fma step rounds it */
   float s = sqrtf(vi), q = fmaf(s, h.hi, s * h.lo), r = fmaf(-q, h.bc2s, s);   /* s: 0, normal, inf or NaN */
   float pi = p[i] * h.decay + h.nstep * mi / ((s < INFINITY ? fmaf(r, h.hi, q) : s) + h.eps);
-  p[i] = pi; m[i] = mi; v[i] = vi; return pi;
-}
-static inline __attribute__((always_inline)) void body(int bg, int ob, int div, int64_t i, int64_t b,
-    float *restrict p, const void *restrict g, float *restrict m, float *restrict v, uint16_t *restrict out,
-    hyper h) {
-/* out is only written: whole 64-byte lines go by streaming stores, which skip reading them first */
-#ifdef __SSE2__
+  p[i] = pi; m[i] = mi; v[i] = vi; return pi; }
+INLINE void body(int bg, int ob, int div, int64_t i, int64_t b, float *restrict p, const void *restrict g,
+    float *restrict m, float *restrict v, uint16_t *restrict out, hyper h) {
+#ifdef __SSE2__  /* out is only written: whole 64-byte lines go by streaming stores, which skip reading */
   for (; ob && i < b && (uintptr_t)(out + i) % 64; i++) out[i] = bf16_out(update(bg, div, i, p, g, m, v, h));
   for (uint16_t t[32] __attribute__((aligned(64))); i + 32 <= b; i += 32) {
     for (int j = 512; j < 544; j += 16)  /* 2 KB ahead: more lines in flight than the hardware keeps */
@@ -471,11 +431,9 @@ static inline __attribute__((always_inline)) void body(int bg, int ob, int div, 
       _mm_stream_si128((__m128i *)(out + i) + j, _mm_load_si128((__m128i *)t + j));
   }
 #endif
-  for (; i < b; i++) { float pi = update(bg, div, i, p, g, m, v, h); if (ob) out[i] = bf16_out(pi); }
-}
-/* kind: bit 0 a bf16 grad, bit 1 a bf16 out, bit 2 a loss scale or clip to divide by; each its own loop */
+  for (; i < b; i++) { float pi = update(bg, div, i, p, g, m, v, h); if (ob) out[i] = bf16_out(pi); } }
+/* kind: bit 0 a bf16 grad, 1 a bf16 out, 2 a grad_mult, each its own loop; *next: the next block to take */
 #define K(k) case k: body(k & 1, k >> 1 & 1, k >> 2, a, b, p, g, m, v, out, h); break;
-/* the threads share *next and take a block at a time until none is left: one held up does less of the work */
 void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m, float *v, uint16_t *out,
            const hyper *hp) {
   hyper h = *hp; h.hi = 1 / h.bc2s, h.lo = (float)((1 - (double)h.bc2s * h.hi) / h.bc2s);  /* 1 / bc2s */
@@ -486,17 +444,16 @@ void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m
 #endif
 }
 """
-# -fno-math-errno lets sqrtf vectorise, -fno-trapping-math the selects (without AVX-512's masks gcc keeps a
-# loop with branches scalar, 4x slower); neither changes a result. No -ffast-math: it changes rounding, NaNs
-ADAMW_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
-               "-shared", "-fPIC"]
+# -fno-math-errno, -fno-trapping-math vectorise sqrtf and the selects (4x on AVX2); unlike -ffast-math, exact
+ADAMW_FLAGS = "-O3 -march=native -fno-math-errno -fno-trapping-math -ffp-contract=off -shared -fPIC".split()
 MIN_PER_THREAD = 1 << 17    # parameters: waking another thread for fewer costs more than it saves
-_kernel, _kernel_lock, _pools = [], threading.Lock(), {}   # _kernel: [] untried, [fn], or [None] (failed)
+CONVERT_CHUNK = 1 << 22     # elements of a 16-bit gradient converted to fp32 at a time, into _scratch[device]
+_kernel, _kernel_lock, _pools, _scratch = [], threading.Lock(), {}, {}   # _kernel: [] untried, [fn] or [None]
 
 
 def _build_kernel():
-    """Compile ADAMW_C once per source, compiler and CPU (a -march=native binary must never reach another CPU
-    through a shared home) into the user's cache, and load it."""
+    # compile ADAMW_C into the user's cache once per source, compiler and CPU (a shared home must never hand a
+    # -march=native binary to another CPU), and load it
     cc, cpu = os.environ.get("CC", "cc"), platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:   # what -march=native sees
         cpu = next((line for line in f if line.startswith(("flags", "Features"))), cpu)
@@ -507,58 +464,52 @@ def _build_kernel():
     if not os.path.exists(so):       # processes starting together each build in a directory of their own
         os.makedirs(cache, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = os.path.join(tmp, "adamw.c")
-            with open(src, "w") as f:
-                f.write(ADAMW_C)
-            r = subprocess.run([cc, *ADAMW_FLAGS, "-o", src + ".so", src], capture_output=True, text=True)
+            r = subprocess.run([cc, *ADAMW_FLAGS, "-o", f"{tmp}/a.so", "-x", "c", "-"], input=ADAMW_C,
+                               capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-300:]}")
-            os.replace(src + ".so", so)
+            os.replace(f"{tmp}/a.so", so)
     fn = ctypes.CDLL(so).adamw
     fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 7, None
     return fn
 
 
 def _cpu_kernel():
-    # the C kernel, or None where it cannot be built, with one warning saying why: slower, never fatal
+    # the C kernel, or None where it cannot be built, after one warning saying why: slower, never fatal
     with _kernel_lock:
         if not _kernel:
             try:
                 _kernel.append(_build_kernel())
             except Exception as e:
                 _kernel.append(None)
-                warnings.warn(f"zero: no C AdamW kernel ({type(e).__name__}: {e}); using torch's fused "
-                              "AdamW, slower on the CPU with a 16-bit gradient or copy of the weights")
+                warnings.warn(f"zero: no C AdamW kernel ({type(e).__name__}: {e}); using torch's (slower)")
     return _kernel[0]
 
 
 def _host_threads():
-    # the cores this process may run on, shared by the node's ranks (torchrun's OMP_NUM_THREADS=1 holds torch
-    # to one thread, however many cores are idle)
+    # the cores this process may run on, shared by the node's ranks (under torchrun torch has only one thread)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _parallel(fn, n, args):
-    # fn(*args) here and, for a large call, on up to _host_threads() - 1 pool threads: Python threads (the
-    # kernel releases the GIL), not OpenMP, as torch brings its own OpenMP
+    # fn(*args) here and, for a large n, on pool threads (Python's: the kernel releases the GIL, torch has its
+    # own OpenMP). They take blocks until none is left: one held up does less, and whichever run, all are done
     k, helpers = min(_host_threads(), n // MIN_PER_THREAD), []
     if k > 1:
         with contextlib.suppress(RuntimeError):   # no new threads at interpreter exit: this one does it all
             pool = _pools.get(os.getpid()) or _pools.setdefault(os.getpid(),
                                                                 ThreadPoolExecutor(os.cpu_count()))
             helpers = [pool.submit(fn, *args) for _ in range(k - 1)]
-    fn(*args)                       # the threads share the blocks: whichever run, the call completes
+    fn(*args)
     for h in helpers:
         h.result()
 
 
 def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult=1.0,
                out=None):
-    """AdamW (decoupled weight decay) on 1-D fp32 master/moment tensors as torch's fused kernel computes it;
-    grad_mult (loss unscale and clip) applied inside; `out`, if given, receives the updated master in its
-    dtype. On the CPU one pass of the C kernel (fp32 or bf16 grad and out); on CUDA, for fp16 or without a
-    compiler, torch's fused kernel, then out.copy_(master)."""
+    """AdamW on 1-D fp32 tensors as torch's fused kernel computes it, grad_mult (unscale, clip) inside, the
+    new master also into `out`: on the CPU one pass of the C kernel (fp32/bf16 grad and out), else torch's."""
     ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
     fn = _cpu_kernel() if master.is_cpu else None
     if fn is not None and out is not None and out.dtype == torch.float32:   # fp32 compute with offload
@@ -570,41 +521,32 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
         n, next_block = master.numel(), ctypes.c_int64(0)
         bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step   # in double, then rounded to float, as torch does
         consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
-                                       -lr / bc1, math.sqrt(bc2), eps)   # the kernel fills the last two
+                                       -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
         kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
         return _parallel(fn, n, (kind, n, ctypes.addressof(next_block), *[t.data_ptr() for t in ts],
                                  *[None] * (out is None), consts))
     _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult, out)
 
 
-CONVERT_CHUNK = 1 << 22  # elements of a 16-bit gradient converted to fp32 at a time
-_scratch = {}             # device -> the fp32 buffer they are converted into, reused across calls
-
-
 def _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult,
                  out):
-    # torch's fused kernel (its functional AdamW has this signature from torch 2.4 on). A 16-bit gradient goes
-    # in chunks through a reused fp32 buffer: on a CPU a fresh fp32 copy costs more in page faults than the
-    # update
-    n, steps = master.numel(), torch.zeros((), device=master.device)
+    # torch's fused kernel (torch >= 2.4's signature); a 16-bit gradient goes in chunks through _scratch: on a
+    # CPU a fresh fp32 copy costs more in page faults than the update
+    n, dev, steps = master.numel(), master.device, torch.zeros((), device=master.device)
     chunk = n if grad.dtype == torch.float32 else CONVERT_CHUNK
-    # divided by
-    inv_mult = torch.full((), 1.0 / grad_mult, device=master.device) if grad_mult != 1.0 else None
+    inv_mult = torch.full((), 1.0 / grad_mult, device=dev) if grad_mult != 1.0 else None   # divides g
     for a in range(0, n, chunk):
         b, g = min(n, a + chunk), grad[a:a + chunk]
         if g.dtype != torch.float32:
-            buf = _scratch.get(master.device)
-            if buf is None or buf.numel() < b - a:
-                buf = _scratch[master.device] = torch.empty(chunk, device=master.device)
-            g = buf[:b - a].copy_(g)
+            if dev not in _scratch or _scratch[dev].numel() < b - a:
+                _scratch[dev] = torch.empty(chunk, device=dev)
+            g = _scratch[dev][:b - a].copy_(g)
         steps.fill_(step - 1)           # the kernel counts it to `step`
         functional_adamw([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps], fused=True,
                          grad_scale=inv_mult, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
                          weight_decay=weight_decay, eps=eps, maximize=False)
     if out is not None:
         out.copy_(master)
-
-
 
 
 # -----------------------------------------------------------------------------
@@ -614,61 +556,46 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
 # rest, as FSDP users wrap by hand. Its parameters are views into flat buffers that one collective moves.
 
 def find_units(model):
-    """Default units: every element of each outermost nn.ModuleList (a block); units never nest."""
-    units = []
-
-    def visit(module):              # depth first, stopping at the first ModuleList on each path
-        for child in module.children():
-            units.extend(child) if isinstance(child, nn.ModuleList) else visit(child)
-    visit(model)
-    return units
+    """Default units: the elements (blocks) of every outermost nn.ModuleList, depth first."""
+    return [u for c in model.children() for u in (c if isinstance(c, nn.ModuleList) else find_units(c))]
 
 
 class Flat:
     """A unit's trainable, or its frozen, parameters as views into one flat buffer.
-
-    flat        the whole buffer in the compute dtype, padded to a multiple of the shard count (stage 3: its
-                storage freed between uses); lo, hi: the range this rank owns (unsharded: all of it)
-    shard       stage 3: the owned slice that stays, the all-gather's input; owned: the owned held values
-                (shard, or flat's slice; None for frozen fp32 ones at stage 3)
-    state       what checkpoints hold of the owned slice: master (fp32; frozen: as held), exp_avg, exp_avg_sq
-                (on the host with offload); out: where an update writes the owned values (None: master is it)
-    grad        the whole gradient in the reduce dtype (stages 0-1: kept; 2-3: while it is reduced);
-                grad_shard: the reduced owned slice (host with offload); acc: its sum over micro-batches on
-                the device (offload at stages 2-3 with accumulation or hybrid); norm: its squared norm
-                (offload)
-    staging     offload on CUDA: the pinned 16-bit owned slice the host update writes first
-    segments    (a, b, i): the owned piece [a, b) of parameter i, relative to lo
-    steps, group, written, got   per parameter: AdamW steps taken, param group; those whose gradient is in
-                `grad` / came in this step"""
+    flat: the buffer (compute dtype, padded to equal shards; stage 3 frees its storage between uses)
+    lo, hi, owned: the range this rank owns, its values (stage 3: shard, kept; None if frozen fp32)
+    state: what checkpoints hold: master (fp32; frozen: as held), exp_avg, exp_avg_sq (offload: on host)
+    out: where an update writes the owned values (None: the master is them)
+    grad: the whole gradient (stages 2-3: while reduced); grad_shard: its reduced owned slice (on host)
+    acc, norm: offload: that summed over micro-batches (stages 2-3), its squared norm
+    staging: offload on CUDA: the pinned 16-bit owned slice the update writes first
+    segments: (a, b, i): parameter i's owned piece [a, b), from lo
+    steps, group, written, got: per parameter: AdamW steps, param group; gradient in grad / came this step"""
 
     def __init__(self, named_params, trainable, plan, sharded):
-        self.trainable = trainable
+        self.trainable, self.state = trainable, {}
         self.names, self.params = [n for n, _ in named_params], [p for _, p in named_params]
-        self.offsets = [sum(p.numel() for p in self.params[:i]) for i in range(len(self.params))]
-        self.numel = sum(p.numel() for p in self.params)
+        sizes = [p.numel() for p in self.params]
+        *self.offsets, self.numel = itertools.accumulate([0] + sizes)
         self.padded = -(-self.numel // plan.shards) * plan.shards   # equal shards, as collectives want
-        size = self.padded // plan.shards
-        self.lo, self.hi = (plan.shard_rank * size, (plan.shard_rank + 1) * size) if sharded else \
-            (0, self.padded)
-        self.segments = [(max(o, self.lo) - self.lo, min(o + p.numel(), self.hi) - self.lo, i)
-                         for i, (p, o) in enumerate(zip(self.params, self.offsets))
-                         if max(o, self.lo) < min(o + p.numel(), self.hi)]
-        self.steps, self.group = [0] * len(self.params), [0] * len(self.params)
-        self.written, self.got = set(), set()
+        rank, size = (plan.shard_rank, self.padded // plan.shards) if sharded else (0, self.padded)
+        self.lo, self.hi = rank * size, (rank + 1) * size
+        self.segments = [(max(o, self.lo) - self.lo, min(o + n, self.hi) - self.lo, i)
+                         for i, (o, n) in enumerate(zip(self.offsets, sizes))
+                         if max(o, self.lo) < min(o + n, self.hi)]
+        self.steps, self.group, self.written, self.got = [0] * len(sizes), [0] * len(sizes), set(), set()
         self.flat = self.shard = self.owned = self.out = self.grad = self.grad_shard = None
         self.acc = self.norm = self.staging = None
-        self.state = {}
 
     def build(self, full, plan, state):
-        """The buffers from the fp32 values of the whole buffer, `full`; state(kind, n, dtype, src) makes host
-        state. Returns the frozen parameters whose values the compute dtype changes."""
+        """The buffers from `full`, the fp32 values; state(kind, n, dtype, src) makes host state. Returns
+        the frozen parameters that the compute dtype changes."""
         self.flat, mine, n = full.to(plan.dtype), full[self.lo:self.hi], self.hi - self.lo
         for p, o in zip(self.params, self.offsets):
             p.data = self.flat[o:o + p.numel()].view(p.shape)
-        self.owned = None if plan.shards_params and not self.trainable and plan.frozen_fp32 else \
-            self.flat[self.lo:self.hi].clone() if plan.shards_params else self.flat[self.lo:self.hi]
-        self.shard = self.owned if plan.shards_params else None
+        self.owned = self.flat[self.lo:self.hi]
+        if plan.shards_params:
+            self.owned = self.shard = None if not self.trainable and plan.frozen_fp32 else self.owned.clone()
         if self.trainable:
             self.state = dict(master=self.owned if plan.master_is_param else state("master", n, src=mine),
                               exp_avg=state("exp_avg", n), exp_avg_sq=state("exp_avg_sq", n))
@@ -679,9 +606,9 @@ class Flat:
                 self.grad_shard = state("grad_shard", n, plan.grad_dtype)
             if plan.offload and plan.shards_grads and (plan.accum > 1 or plan.replicas > 1):
                 self.acc = torch.zeros(n, dtype=plan.grad_dtype, device=plan.device)
-            self.staging = state("staging", n, plan.dtype) if plan.pin else None
-        # frozen fp32 ones are exact: the compute copy is made when gathered
-        else:
+            if plan.pin:
+                self.staging = state("staging", n, plan.dtype)
+        else:                               # frozen fp32: exact, cast when gathered
             self.state = dict(master=mine.clone() if plan.frozen_fp32 else self.owned)
         self.out = None if self.state["master"] is self.owned else self.owned
         return [] if self.trainable or plan.frozen_fp32 else [
@@ -689,16 +616,14 @@ class Flat:
             if not torch.equal(full[o:o + p.numel()], self.flat[o:o + p.numel()].float())]
 
     def runs(self, used, hyper):
-        # AdamW calls on the owned range: one per run of adjacent parameters with equal hyperparameters and
-        # step count (a shard cuts across parameters), skipping parameters without a gradient
+        # AdamW calls: one per run of adjacent parameters with a gradient, equal hyperparameters and steps
         runs = []
         for a, b, i in self.segments:
-            if used[i]:
-                key = (self.group[i], self.steps[i])
-                if runs and runs[-1][1] == a and runs[-1][2] == key:
-                    runs[-1][1] = b
-                else:
-                    runs.append([a, b, key])
+            key = (self.group[i], self.steps[i])
+            if used[i] and runs and runs[-1][1:] == [a, key]:
+                runs[-1][1] = b
+            elif used[i]:
+                runs.append([a, b, key])
         return [(a, b, *hyper[g], step) for a, b, (g, step) in runs]
 
 
@@ -706,35 +631,24 @@ FREED, GATHERING, WHOLE = "freed", "gathering", "whole"
 
 
 class Unit:
-    """A block of the model (an element of its outermost ModuleList) or the root (the rest), its flat buffers
-    and its lifecycle. Parameters: FREED (stage 3 between uses, storage freed; with offload at stages 1-2,
-    the others' slices stale after the host update) -> GATHERING (all-gathers in flight) -> WHOLE, by
-    unshard() and reshard(). Gradient: taken per parameter into the flat one, reduced once per micro-batch,
-    finished. Update: AdamW on the owned slice, on the device or the offload thread. The root and units
-    whose parameters are used outside their forward (keep) stay WHOLE from their forward to the end of the
-    backward."""
+    """A block (an element of the outermost ModuleList) or the root (the rest): its Flats (train: the
+    trainable one) and lifecycle. phase: FREED (stage 3 between uses; offload at stages 1-2: others' slices
+    stale) -> GATHERING (works in flight) -> WHOLE; the root and units with a parameter used outside their
+    forward (keep) stay WHOLE to the backward's end. reduced: the micro-batch's reduction launched;
+    replica_work: hybrid's sum across groups; worker, updated, h2d: offload's thread, its update done, its
+    copy's event; grad_out: an output requires grad (None: never ran); call: the schedule's node."""
 
     def __init__(self, index, module, name, flats, plan, net, is_root):
         self.index, self.module, self.name, self.flats, self.is_root = index, module, name, flats, is_root
-        self.plan, self.net = plan, net
-        self.train = next((f for f in flats if f.trainable), None)   # the trainable Flat, if any
-        self.params = [p for f in flats for p in f.params]
-        self.phase, self.works = WHOLE, []  # where the buffers stand; their all-gathers in flight
-        self.keep = False                   # a parameter used outside its forward: whole until backward ends
-        self.grad_out = None                # its forward made an output that requires grad (None: never ran)
-        self.call = None                    # the schedule's node of its running call
-        self.reduced = False                # this micro-batch's gradient collective was launched
-        self.replica_work = None            # hybrid: (grad shard, work) of its sum across shard groups
-        self.worker = None                  # offload: the update thread
-        self.updated = threading.Event()    # offload: its host update is done
+        self.plan, self.net, self.params = plan, net, [p for f in flats for p in f.params]
+        self.train = next((f for f in flats if f.trainable), None)
+        self.phase, self.works, self.keep, self.reduced = WHOLE, [], False, False
+        self.grad_out = self.call = self.replica_work = self.worker = self.h2d = None
+        self.updated = threading.Event()
         self.updated.set()
-        self.h2d = None                     # offload on CUDA: an event after the update's copy to the device
-
-    # -- parameters: FREED -> GATHERING -> WHOLE and back
 
     def unshard(self, wait=True):
-        # the all-gathers launched (stage 3: from the shards, into the buffers' storage; offload: from the
-        # slices the host update wrote), then waited for
+        # all-gathers launched (stage 3: from the shards; offload: from the host update's), then waited
         if self.phase == FREED:
             if self.worker:
                 self.worker.wait(self)
@@ -745,7 +659,7 @@ class Unit:
                     self.net.hold(st.nbytes())
                 src = f.shard if f.shard is not None else f.flat[f.lo:f.hi] if f.trainable else \
                     f.state["master"].to(self.plan.dtype)
-                kind = "all_gather" if f.trainable else "frozen_all_gather"   # the formulas count them apart
+                kind = "all_gather" if f.trainable else "frozen_all_gather"
                 self.works.append(self.net.all_gather(f.flat, src, kind, sync=False, tag=self.index))
             self.phase = GATHERING
         if wait and self.phase == GATHERING:
@@ -756,20 +670,19 @@ class Unit:
         return self
 
     def reshard(self):
-        # stage 3: the storage goes back (the views, and autograd's references to them, stay valid for the
-        # next gather); with offload at stages 1-2 the others' slices are stale
+        # stage 3: the storage goes back (the views, and autograd's references, stay valid)
         for f in self.flats if self.plan.shards_params else ():
             self.net.hold(-f.flat.untyped_storage().nbytes())
             f.flat.untyped_storage().resize_(0)
         self.phase = FREED
         self.mark(True)
 
-    def stale(self):                        # the owned slices changed: gathered again before the next use
+    def stale(self):                        # the owned slices changed: gather before the next use
         self.phase = FREED
         return self
 
     def mark(self, freed):
-        # a parameter of a unit not WHOLE is a _Sharded: a read is then an error or a gather, never a crash
+        # a unit not WHOLE has _Sharded parameters: a read is an error or a gather, not a crash
         ps = self.params if self.plan.shards_params or not freed else self.train.params if self.train else ()
         for p in ps:
             if type(p) in (nn.Parameter, _Sharded):
@@ -779,22 +692,20 @@ class Unit:
         if self.plan.shards_params and self.phase == WHOLE and not self.keep and not self.is_root:
             self.reshard()
 
-    def hold(self):                         # a parameter used outside the unit's forward
+    def hold(self):
         self.keep = True
 
     def in_turn(self, agreed):
-        # a unit kept whole on this rank alone (its parameters escaped here since the ranks last agreed) is
-        # gathered again in its turn all the same, as the ranks that freed it gather it
+        # kept whole on this rank alone (a parameter escaped since the ranks agreed): gathered in turn, as
+        # the ranks that freed it do
         if self.plan.shards_params and self.phase == WHOLE and self.keep and not agreed:
             self.phase = FREED
         return self
 
-    # -- gradient: taken, reduced, finished
-
     def take_grad(self, i, p):
-        # autograd's .grad, a fresh tensor per parameter, into the flat gradient at once: one copy stays
+        # autograd's .grad into the flat one at once (stages 2-3: one for this micro-batch only)
         f, o, n = self.train, self.train.offsets[i], p.numel()
-        if f.grad is None:                  # stages 2-3: a whole-unit gradient for this micro-batch only
+        if f.grad is None:
             f.grad = torch.empty(f.padded, dtype=self.plan.grad_dtype, device=self.plan.device)
         with torch.no_grad():
             (f.grad[o:o + n].add_ if i in f.written else f.grad[o:o + n].copy_)(p.grad.view(-1))
@@ -803,28 +714,29 @@ class Unit:
         p.grad = None
 
     def reduce(self):
-        # this micro-batch's gradient collective launched: stage 0 all-reduces, the others reduce-scatter
+        # stage 0 all-reduces, the rest reduce-scatter; unused gradients are zero, not last window's; part
+        # of the mean before the sum, the rest in the step
         f, plan = self.train, self.plan
         g = f.grad if f.grad is not None else torch.zeros(f.padded, dtype=plan.grad_dtype, device=plan.device)
         for i, (p, o) in enumerate(zip(f.params, f.offsets)):
-            if i not in f.written:          # unused this window: zero, not last window's values
+            if i not in f.written:
                 g[o:o + p.numel()].zero_()
         g[f.numel:].zero_()
         f.grad, f.written, self.reduced = g, set(range(len(f.params))), True
-        g.mul_(1.0 / plan.divide[0])        # a part of the mean before the sum, the rest in the step
-        if not plan.shards_optim:
-            return self.net.all_reduce(g, "shard", kind="all_reduce", sync=False, tag=self.index)
-        return self.net.reduce_scatter(g[f.lo:f.hi], g, sync=False, tag=self.index)
+        g.mul_(1.0 / plan.divide[0])
+        if plan.shards_optim:
+            return self.net.reduce_scatter(g[f.lo:f.hi], g, sync=False, tag=self.index)
+        return self.net.all_reduce(g, "shard", kind="all_reduce", sync=False, tag=self.index)
 
     def finish_reduce(self, work, micro):
+        # summed over micro-batches; the step's last: hybrid sums across groups, offload sends it off
         self.net.wait(work)
         f, plan = self.train, self.plan
-        last = micro == plan.accum - 1 or not plan.shards_grads   # this step's last reduction of the unit
-        mine = f.grad[f.lo:f.hi]
-        dev = f.acc if f.acc is not None else mine if plan.offload else f.grad_shard   # where it is summed
+        last, mine = micro == plan.accum - 1 or not plan.shards_grads, f.grad[f.lo:f.hi]
+        dev = f.acc if f.acc is not None else mine if plan.offload else f.grad_shard
         if plan.shards_grads and dev is not mine:
             dev.copy_(mine) if micro == 0 else dev.add_(mine)
-        if last and plan.replicas > 1:      # hybrid: summed with the same shard of the other shard groups
+        if last and plan.replicas > 1:
             work = self.net.all_reduce(dev, "replica", "replica_all_reduce", False, self.index)
             self.replica_work = dev, work
         elif last and plan.offload:
@@ -840,51 +752,43 @@ class Unit:
                 self.to_host(dev)
 
     def to_host(self, dev):
-        # offload: the step's gradient shard to the host once (the paper's minimal traffic), its norm taken on
-        # the device first, so that the step need not wait for the copy
+        # once a step (the paper's minimal traffic); the norm first, so that the step need not wait
         self.train.norm = torch.linalg.vector_norm(dev, dtype=torch.float32) ** 2
         self.train.grad_shard.copy_(dev, non_blocking=self.plan.pin)
         self.net.count("d2h", dev.numel(), dev.element_size())
 
     def sq_norm(self):
-        f = self.train
-        return f.norm if self.plan.offload else \
-            torch.linalg.vector_norm(f.grad_shard, dtype=torch.float32) ** 2
-
-    # -- update
+        return self.train.norm if self.plan.offload else \
+            torch.linalg.vector_norm(self.train.grad_shard, dtype=torch.float32) ** 2
 
     def update(self, mult, runs, d2h=None):
-        # AdamW on the owned slice (runs from Flat.runs), its compute-dtype copy written. With offload on the
-        # worker thread: no collective here (the next forward gathers: one order of collectives everywhere)
+        # AdamW on the owned slice; no collective (offload: on its thread; the next forward gathers)
         f, st = self.train, self.train.state
-        if d2h is not None:
-            d2h.synchronize()               # the gradient shards have reached the host
-        if self.h2d is not None:
-            self.h2d.synchronize()          # last step's copy out of the staging buffer is done
+        for event in (d2h, self.h2d):       # the gradient on the host; last copy out of staging done
+            if event is not None:
+                event.synchronize()
         out = f.staging if f.staging is not None else f.out
         for a, b, lr, b1, b2, eps, wd, step in runs:
             adamw_step(st["master"][a:b], f.grad_shard[a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], step,
                        lr, b1, b2, eps, wd, grad_mult=mult, out=None if out is None else out[a:b])
-        if f.staging is not None:
-            # only what was updated: a parameter without a gradient keeps its value
+        if f.staging is not None:           # runs only: a parameter without a gradient keeps its value
             for a, b, *_ in runs:
                 f.out[a:b].copy_(f.staging[a:b], non_blocking=True)
-            if f.out.is_cuda:               # the next forward's stream waits for this, not for the thread
+            if f.out.is_cuda:               # the next forward waits for this, not for the thread
                 self.h2d = torch.cuda.Event()
                 self.h2d.record()
 
 
 def _regather(units):
-    # stages 1-2 after an update, a load or (offload) the host update: the owned slices to every rank, all
-    # launched before any is waited for
+    # stages 1-2 after an update or a load: the owned slices to every rank, all launched before any wait
     for wait in (False, True):
         for u in units:
             u.unshard(wait)
 
 
 def _tree_map(fn, x, rebuild=True):
-    """fn on every tensor of a module's inputs or outputs: tuples (named ones too), lists, dicts, dataclasses
-    (Hugging Face's ModelOutput), rebuilt around fn's results (rebuild=False: only visited)."""
+    """fn on every tensor in tuples (named too), lists, dicts, dataclasses (Hugging Face's ModelOutput),
+    rebuilt around fn's results (rebuild=False: only visited)."""
     go = functools.partial(_tree_map, fn, rebuild=rebuild)
     if isinstance(x, torch.Tensor):
         return fn(x)
@@ -907,8 +811,8 @@ def _tensors(x):
 
 
 class _PostBackward(torch.autograd.Function):
-    """The identity on a unit's inputs. Its backward runs once all their gradients are in, which is when the
-    unit's own backward is done (FSDP2's post-backward signal)."""
+    """The identity on a unit's inputs: its backward runs once all their gradients are in, when the unit's
+    backward is done (FSDP2's post-backward signal)."""
 
     @staticmethod
     def forward(ctx, sched, unit, key, *xs):
@@ -929,16 +833,15 @@ _PLAIN = nn.Parameter.__torch_function__    # torch's dispatch, as for any nn.Pa
 
 
 class _Sharded(nn.Parameter):
-    """The class of a parameter while its unit is not WHOLE, and in the first forward while the unit is not
-    running. A torch call that reads it inside a forward is a parameter used outside its block: its unit is
-    gathered and kept whole from then on, as the root is. Outside a forward the read is an error."""
+    """A parameter's class while its unit is not WHOLE (and, in the first forward, not running). Read in a
+    forward, it is used outside its block: its unit is gathered and kept whole. Outside one: an error."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name, attr = getattr(func, "__name__", ""), getattr(getattr(func, "__self__", None), "__name__", "")
         for t in _tensors((args, kwargs)) if name not in METADATA or attr == "data" else ():
             sched = t._zero_owner[0]() if type(t) is _Sharded else None
-            if sched is None:               # (its engine was dropped: the plain tensor it is)
+            if sched is None:               # its engine was dropped: the plain tensor it is
                 continue
             if sched.depth == 0:
                 raise RuntimeError(f"zero: '{t._zero_name}' was read outside the model's forward, where its "
@@ -950,18 +853,15 @@ class _Sharded(nn.Parameter):
 
 
 def _on_grad(sched, j, i, p):
-    # a gradient hook, held by torch's C++ side, where the collector cannot see it: it holds the schedule
-    # weakly and its unit by number, or the engine (and the model's memory) could never be freed
-    if sched() is not None:
-        sched().on_grad(sched().units[j], i, p)
+    # torch holds the hook, unseen by the collector: the schedule weakly, the unit by number, or never freed
+    if (s := sched()) is not None:
+        s.on_grad(s.units[j], i, p)
 
 # -----------------------------------------------------------------------------
 # 6. The schedule: one order of collectives on every rank
 #
 # A rank whose batch skips a block or reaches fewer experts must still pair each collective with the same one
-# everywhere (NCCL also wants one order across communicators). So forward and backward walk places in one
-# order on every rank: the unit at each is gathered (one this rank skipped too, in its turn), and once the
-# backward is past a unit's last place its reduction launches. The step compares a fingerprint of them all.
+# everywhere (one order across communicators, too, for NCCL): all walk one order, gathering what they skip.
 
 def _merge(seqs, extra=()):
     """One order of the nodes (segment, occurrence, unit) of every rank's calls, consistent with each rank's
@@ -985,78 +885,51 @@ def _merge(seqs, extra=()):
 END = 1 << 30                               # a segment's end node sorts after its calls
 
 
-class Walk:
-    """A forward's progress along its segment of the schedule (an evaluation forward's: along the first)."""
-
-    def __init__(self, sched, seg):
-        self.seg, self.count = seg, collections.Counter()   # this forward's calls of each unit so far
-        self.pos = sched.ends[seg - 1] if 0 < seg <= len(sched.ends) else 0
-        # a segment past the schedule: empty
-        self.end = sched.ends[seg] if seg < len(sched.ends) else self.pos
-
-    def place(self, sched, u):
-        # the place of u's next call in this segment: None out of turn (called more often, or already passed)
-        key = (self.seg, self.count[u.index], u.index)
-        self.count[u.index] += 1
-        j = sched.node.get(key)
-        return key, (j if j is not None and self.pos <= j < self.end else None)
-
-
 class Schedule:
     """The one order of a micro-batch's gathers and reductions, the same on every rank whatever the data, and
-    the forward and backward hooks that walk it.
-
-    A place is one call of a unit: the k-th call of unit u in the s-th forward of a micro-batch is the node
-    (s, k, u); `places` lists them in the order the forwards run them (two forwards before one backward are
-    two segments). Forwards walk their segment, the backward the places in reverse (`back`): the unit at
-    each is gathered (stage 3), and once the backward is past a unit's last place its reduction may launch,
-    in `launch` order. Invariant: every rank launches the same collectives in the same order, so every wait
-    is for a collective every rank has launched; the engine waits for the reduction two launches back, so
-    three whole-unit gradients are alive at most. The first backward learns the places from every rank's
-    calls."""
+    the hooks that walk it. A place is one call: the k-th of unit u in a micro-batch's s-th forward (its
+    segment) is node (s, k, u). Forwards walk their segment of `places`, the backward them reversed (`back`),
+    gathering each unit (stage 3); past a unit's last place its reduction launches, in `launch` order.
+    Invariant: every rank launches the same collectives in the same order, so every wait is for one all
+    launched; waiting for the reduction two launches back keeps three whole-unit gradients alive at most."""
 
     def __init__(self, units, plan, net):
         self.units, self.plan, self.net = units, plan, net
-        self.root = next((u for u in units if u.is_root), None)
         self.order = [u for u in units if not u.is_root]   # the blocks: as registered, then as first called
-        self.depth = 0                      # modules outside the units now running, one inside the other
-        self.walk = None                    # the running forward's progress along its segment
-        self.last_ran = None                # the unit whose forward ran last
-        self.ran = []                       # units whose forward ran since the last step, in order
-        self.calls = []                     # this micro-batch's calls with a backward to come: nodes
-        self.segments = 0                   # forwards with a backward to come since the last backward
-        self.evals = 0                      # forwards without one since the last with one
+        # modules outside the units now running (nested); the unit whose forward ran last; units run this step
+        self.depth, self.last_ran, self.ran = 0, None, []
+        # the running forward's segment (None: none runs), its next place, its end, its calls of each unit
+        self.walk, self.pos, self.end, self.count = None, 0, 0, collections.Counter()
+        # calls (nodes) with a backward to come, in `segments` forwards; forwards without one since the last
+        # with one; backward calls since the last step
+        self.calls, self.segments, self.evals, self.micro = [], 0, 0, 0
         self.checked = self.learned = False  # the first forward ran; the first backward learned the order
-        self.micro = 0                      # backward calls since the last step
         self.in_backward = False            # inside engine.backward: a bare loss.backward() is refused
         self.arrange([self.order])
 
     def arrange(self, segments, without=frozenset(), keep=frozenset()):
-        # places from the forwards' segments; backward places are the forward ones reversed, without units
-        # whose forward made nothing that requires grad; the units in `keep` are reduced last
+        # the backward's places are the forwards' reversed, less the units whose forward made nothing that
+        # requires grad; the units in `keep` are whole, and reduced last
         self.segs, self.without, self.keep = segments, without, frozenset(keep)
         self.places, self.node, self.ends = [], {}, []
         for s, seg in enumerate(segments):
-            seen = collections.Counter()
-            for u in seg:
-                self.node[(s, seen[u.index], u.index)] = len(self.places)
-                seen[u.index] += 1
-                self.places.append(u)
+            for k, u in enumerate(seg):
+                self.node[(s, seg[:k].count(u), u.index)] = len(self.places) + k
+            self.places += seg
             self.ends.append(len(self.places))
         self.back = [j for j in reversed(range(len(self.places))) if self.places[j].index not in without]
         self.bpos = {j: k for k, j in enumerate(self.back)}
-        last = {self.places[j].index: k for k, j in enumerate(self.back)}   # a unit's last backward place
-        first = sorted((u for u in self.units if u.train and u.index in last and u.index not in self.keep),
-                       key=lambda u: last[u.index])
-        self.launch = first + [u for u in self.units if u.train and u not in first]
-        self.last = {u.index: (last[u.index] if u in first else None) for u in self.launch}
-        self.order = list(dict.fromkeys(self.places)) + [u for u in self.order if u not in self.places]
+        last = {self.places[j].index: k for j, k in self.bpos.items()}   # a unit's last backward place
+        self.last = {i: k for i, k in last.items() if i not in self.keep}
+        self.launch = sorted((u for u in self.units if u.train), key=lambda u: self.last.get(u.index, END))
+        self.order = list(dict.fromkeys(self.places + self.order))
+        for i in self.keep:
+            self.units[i].hold()
         self.start_backward()
 
     def start_backward(self):
         self.done = self.gathered = self.launched = 0   # backward places done / gathered; units launched
-        # (unit, work) of reductions launched, not yet waited for
-        self.in_flight = collections.deque()
+        self.in_flight = collections.deque()            # (unit, work) of reductions launched, not waited for
         for u in self.units:
             u.reduced = False
 
@@ -1065,30 +938,22 @@ class Schedule:
         order registered, maybe one twice), on the units kept whole, and on those with no backward."""
         seen = {u.index: u.grad_out for u in self.order if u.grad_out is not None}
         ends = [(s, END, END) for s in range(self.segments)]
-        # each segment ends after its calls
         mine = sorted(self.calls + ends, key=lambda x: (x[0], x[1] == END))
         every = self.net.all_gather_object((mine, [u.index for u in self.units if u.keep], seen))
-        with_grad = {i for *_, s in every for i, g in s.items() if g}
-        without = {i for *_, s in every for i, g in s.items() if not g} - with_grad
-        keep = {i for _, k, _ in every for i in k}
-        for u in self.units:
-            u.hold() if u.index in keep else None
+        grads = [(i, g) for *_, s in every for i, g in s.items()]
+        without = {i for i, g in grads if not g} - {i for i, g in grads if g}
         segments = [[]]
         for _, k, i in _merge([s for s, _, _ in every], [(0, 0, u.index) for u in self.order]):
             segments[-1].append(self.units[i]) if k != END else segments.append([])   # an end starts the next
-        self.arrange(segments[:-1] if len(segments) > 1 else segments, without, keep)
+        self.arrange(segments[:-1] or segments, without, {i for _, k, _ in every for i in k})
         self.learned = True
 
     def agree_keep(self, keep):
-        # units whose parameters escaped on some rank since the ranks last agreed: whole, and reduced last, on
-        # every rank from the next step on
+        # units whose parameters escaped on a rank since the last agreement: whole, reduced last, from now on
         if self.learned and not keep <= self.keep:
-            for u in self.units:
-                u.hold() if u.index in keep else None
             self.arrange(self.segs, self.without, keep | self.keep)
 
     # -- walking the places
-
     def take(self, u, nxt, back):
         # u gathered, and the next unit's gather started to travel while u computes (with offload only once
         # the host update is done with it: waiting here would undo the overlap)
@@ -1097,47 +962,40 @@ class Schedule:
                 (back or self.plan.gathers_lazily) and nxt.updated.is_set():
             nxt.in_turn(nxt.index in self.keep).unshard(wait=False)
 
-    def forward_to(self, w, j):
-        """A forward's walk along its segment up to place j (None: to its end), gathering (and freeing) the
-        places this rank did not call in their turn, then j's. Blocks A, B, C, and rank 1 skips B: rank 0
-        gathers A, B, C as each starts; rank 1 gathers A, then, as C starts, B (freed at once) and C."""
-        at = lambda p: self.places[p] if p < w.end else None   # noqa: E731
-        while w.pos < (w.end if j is None else j):
-            u = self.places[w.pos]
-            self.take(u, at(w.pos + 1), False)
-            w.pos += 1
-            if at(w.pos) is not u:
+    def forward_to(self, j):
+        """The forward's walk up to place j (None: its segment's end), gathering and freeing the places this
+        rank did not call, then j's: skipping B of A, B, C, it gathers A, then as C starts B (freed) and C."""
+        at = lambda p: self.places[p] if p < self.end else None   # noqa: E731
+        for p in range(self.pos, self.end if j is None else j + 1):
+            u = self.places[p]
+            self.take(u, at(p + 1), False)
+            self.pos = p + 1
+            if p != j and at(p + 1) is not u:   # j's unit stays whole for its call, as does one next
                 u.release()
-        if j is not None:
-            self.take(self.places[j], at(j + 1), False)
-            w.pos = j + 1
 
     def backward_to(self, k, gather=False):
-        """The backward's walk up to backward place k: the places before it done (gathered in their turn where
-        this rank did not call them; a unit past its last place launches its reduction); with gather, the unit
-        at k gathered too, and the next one's gather started."""
+        """The backward's walk up to backward place k, as forward_to's, launching the reductions of the units
+        past their last place; with gather, k's unit gathered too and the next one's gather started."""
         at = lambda k: self.places[self.back[k]] if k < len(self.back) else None   # noqa: E731
-        while self.done < k:
-            u = at(self.done)
-            if self.plan.shards_params and self.gathered <= self.done:
-                self.take(u, at(self.done + 1), True)
-                self.gathered = self.done + 1
-            self.done += 1
-            self.launch_ready()
-            if at(self.done) is not u:      # the same unit next: it stays whole
-                u.release()
-        if gather and self.plan.shards_params and self.gathered <= k < len(self.back):
-            self.take(at(k), at(k + 1), True)
-            self.gathered = k + 1
+        for d in range(self.done, min(k + gather, len(self.back))):
+            u = at(d)
+            if self.plan.shards_params and self.gathered <= d:
+                self.take(u, at(d + 1), True)
+                self.gathered = d + 1
+            if d < k:
+                self.done = d + 1
+                self.launch_ready()
+                if at(d + 1) is not u:      # the same unit next: it stays whole
+                    u.release()
 
     def launch_ready(self, end=False):
         # in launch order, each unit once the backward is past its last place (end: all the rest), as on every
         # rank; stage 0 all-reduces in the last micro-batch's backward, stage 1 in step(), 2-3 in every one
         plan = self.plan
-        while (plan.shards_grads or not plan.shards_optim and self.micro == plan.accum - 1) and \
-                self.launched < len(self.launch):
+        now = plan.shards_grads or not plan.shards_optim and self.micro == plan.accum - 1
+        while now and self.launched < len(self.launch):
             u = self.launch[self.launched]
-            if not end and (self.last[u.index] is None or self.last[u.index] >= self.done):
+            if not end and self.last.get(u.index, END) >= self.done:
                 return
             self.launched += 1
             self.reduce(u)
@@ -1154,11 +1012,9 @@ class Schedule:
             u.finish_reduce(work, self.micro)
 
     # -- forward hooks: opaque to torch.compile, whose graphs break where a unit begins or ends
-
     @torch.compiler.disable
     def enter(self):
-        # a forward begins with the first module outside the units to start (the model, or a part called on
-        # its own, as Hugging Face's generate() calls an encoder)
+        # a forward starts with the first module outside the units (the model, or a part, e.g. an encoder)
         self.depth += 1
         if self.depth > 1:
             return
@@ -1168,10 +1024,11 @@ class Schedule:
             self.evals = 0 if grad else self.evals + 1
         if self.last_ran is not None:       # a block called on its own since the last forward
             self.last_ran.release()
-        self.last_ran = None
-        # a forward with a backward to come walks its segment; one without (evaluation, a metric, a teacher),
-        # the first segment, leaving the training walk where it was
-        self.walk = Walk(self, self.segments if grad else 0)
+        # a forward without a backward to come (evaluation, a metric, a teacher) walks the first segment,
+        # leaving the training walk where it was; one past the schedule's last segment walks nothing
+        s, b = self.segments if grad else 0, [0, *self.ends]
+        self.walk, self.pos, self.end = s, b[min(s, len(b) - 1)], b[min(s + 1, len(b) - 1)]
+        self.count, self.last_ran = collections.Counter(), None
         self.segments += grad
         # the root and escaped units stay whole through the backward; in the first forward the others are
         # _Sharded while they do not run, so that a parameter used out of its block is seen (see _Sharded)
@@ -1188,14 +1045,15 @@ class Schedule:
             return
         if self.last_ran is not None:
             self.last_ran.release()
-            self.last_ran = None
-        self.forward_to(self.walk, None)    # places after the last one this rank called
-        self.walk = None
-        pending = bool(self.calls)          # a backward is to come: what it needs stays whole
+        self.last_ran = None
+        if self.walk is None:               # no forward began (enter() raised, or never ran)
+            return
+        self.forward_to(None)               # places after the last one this rank called
+        # no backward follows (evaluation, generation): freed, but what a backward to come needs
+        self.walk, free = None, self.plan.shards_params and not torch.is_grad_enabled()
         for u in self.units:
-            if u.phase == WHOLE and self.plan.shards_params and not torch.is_grad_enabled() and not (
-                    pending and (u.is_root or u.keep)):
-                u.reshard()                 # no backward follows (evaluation, generation)
+            if u.phase == WHOLE and free and not (self.calls and (u.is_root or u.keep)):
+                u.reshard()
             elif u.phase == WHOLE and not self.checked:
                 u.mark(False)               # the first forward's marks go
         self.checked = True
@@ -1204,16 +1062,17 @@ class Schedule:
     def pre_forward(self, u, module, args, kwargs):
         if self.last_ran is not None and self.last_ran is not u:
             self.last_ran.release()         # freed once another unit starts: a unit run twice in a row stays
-        key, j = self.walk.place(self, u) if self.walk is not None else (None, None)   # None: a block
-        self.forward_to(self.walk, j) if j is not None else u.unshard()   # called alone; out of turn
+        key = None if self.walk is None else (self.walk, self.count[u.index], u.index)   # None: called alone
+        self.count[u.index] += 1
+        j = self.node.get(key)              # out of turn (called more often, or its place passed): alone
+        self.forward_to(j) if j is not None and self.pos <= j < self.end else u.unshard()
         u.mark(False)
         self.last_ran, u.call = u, key
         self.ran.append(u.index)
         xs = [t for t in _tensors((args, kwargs)) if t.requires_grad] if torch.is_grad_enabled() else []
         if torch.is_grad_enabled() and key is not None:
             self.calls.append(key)
-        # their backward ends this call's backward: _PostBackward says when
-        if xs:
+        if xs:                              # their backward ends this call's: _PostBackward says when
             ys = dict(zip(map(id, xs), _PostBackward.apply(self, u, key, *xs)))
             return _tree_map(lambda t: ys.get(id(t), t), (args, kwargs))
 
@@ -1228,38 +1087,31 @@ class Schedule:
         storages = {f.flat.untyped_storage().data_ptr() for f in u.flats}
         for t in outs if self.plan.shards_params else ():
             if t.untyped_storage().data_ptr() in storages:
-                # a parameter returned to the caller: whole until its backward is done
-                u.hold()
+                u.hold()                    # a parameter returned to the caller: whole until its backward
             elif t.requires_grad and id(t) not in inputs:
                 # gathered again just before this call's backward (and recompute); a tensor it only passed
                 # along is not hooked: its gradient says nothing about this unit's backward
                 t.register_hook(functools.partial(self.pre_backward, u, u.call))
 
     # -- backward hooks
-
     def outside(self):
         if not self.in_backward:
             raise RuntimeError("zero: a backward ran outside engine.backward(loss) (loss.backward(), or a "
                                "GradScaler's): call engine.backward(loss), then engine.step()")
 
-    def back_place(self, key):
-        # the backward place of the call `key`; None: out of turn (not in the schedule, or already passed)
-        k = self.bpos.get(self.node.get(key)) if key is not None else None
-        return k if k is not None and k >= self.done else None
-
     @torch.compiler.disable
     def pre_backward(self, u, key, grad):
-        # a call's backward (or its recompute) starts: u must be whole, and the schedule past the places
-        # before it
-        self.outside()
-        k = self.back_place(key)
-        self.backward_to(k, gather=True) if k is not None else u.unshard()
+        # a call's backward (or its recompute) starts: u whole, the schedule past the places before it
+        self.post_backward(u, key, start=True)
 
-    def post_backward(self, u, key):
-        # a call's backward is done: the schedule moves past its place
+    def post_backward(self, u, key, start=False):
+        # a call's backward ends (start: begins, u gathered): the schedule past its place; out of turn u alone
         self.outside()
-        k = self.back_place(key)
-        self.backward_to(k + 1) if k is not None else None
+        k = self.bpos.get(self.node.get(key))
+        if k is not None and k >= self.done:
+            self.backward_to(k if start else k + 1, gather=start)
+        elif start:
+            u.unshard()
 
     def on_grad(self, u, i, p):
         if p.grad is None:
@@ -1292,28 +1144,27 @@ class Schedule:
 # the schedule says when; the engine builds them, glues the hooks, and runs backward and step.
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
-# torch's Adam/AdamW group keys that zero's AdamW honours only at these values (foreach, fused: any value)
+# torch's Adam/AdamW keys that zero's AdamW honours at these values only (TORCH_ANY: at any value)
 TORCH_DEFAULTS = dict(amsgrad=False, maximize=False, capturable=False, differentiable=False)
 TORCH_ANY = {"foreach", "fused", "decoupled_weight_decay", "initial_lr"}
 _ENGINES = weakref.WeakSet()        # every live engine: for the check of torch optimizers, and the exit
+_torch_clip, _torch_compile = torch.nn.utils.clip_grad_norm_, torch.compile
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """torch's face of the engine's AdamW: param_groups that LR schedulers and user code read and write (every
-    step reads them); step() is engine.step(). Made from torch's param groups (parameters in none take
-    Config's values, weight decay on >= 2-D ones only), or from a torch Adam/AdamW, which lends its groups
-    (the same dicts: its schedulers drive the engine) and whose step() becomes the engine's."""
+    """torch's face of the engine's AdamW: the param_groups that LR schedulers and user code write, read by
+    every step; step() is engine.step(). Made from torch's param groups, or from a torch Adam/AdamW, whose
+    groups it shares (its schedulers drive the engine) and whose step() becomes the engine's."""
 
     def __init__(self, engine, param_groups=None, optimizer=None):
-        self.engine, c = engine, engine.cfg
+        self.engine, c, adopt = engine, engine.cfg, optimizer is not None
         where = {id(p): (u.train, i) for u in engine.units if u.train for i, p in enumerate(u.train.params)}
         name = {id(p): n for n, p in engine.module.named_parameters()}
-        if optimizer is not None and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        if adopt and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise ValueError(f"zero.Zero: optimizer={type(optimizer).__name__}; zero steps AdamW: pass a "
                              "torch.optim.AdamW (or Adam), or none")
-        groups = optimizer.param_groups if optimizer is not None else list(param_groups or [])
-        if groups and not isinstance(groups[0], dict):
-            groups = [dict(params=groups)]  # a plain list of parameters: one group, as torch takes it
+        groups = optimizer.param_groups if adopt else list(param_groups or [])
+        groups = [dict(params=groups)] if groups and not isinstance(groups[0], dict) else groups  # one group
         out, seen = [], {}
         for j, g in enumerate(groups):
             unknown = sorted(set(g) - {"params", *GROUP_KEYS, *TORCH_DEFAULTS, *TORCH_ANY})
@@ -1326,29 +1177,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"has unknown keys {unknown}; zero's AdamW takes {['params', *GROUP_KEYS]}" if unknown
                     else f"sets {bad}, which zero's AdamW cannot do") + " (other keys at torch's defaults)")
             ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-            # a torch optimizer may hold frozen parameters: they get no gradient
+            # an adopted optimizer may hold frozen parameters: they get no gradient
             for p in ps:
-                if id(p) not in where and (optimizer is None or id(p) not in name):
+                if id(p) not in where and (not adopt or id(p) not in name):
                     what = f"'{name[id(p)]}', which does not require grad" if id(p) in name else \
                         f"a tensor of shape {tuple(p.shape)} that is not a parameter of the model"
-                    raise ValueError(f"zero.Zero: param_groups[{j}] holds {what}; list the trainable "
-                                     "parameters")
+                    raise ValueError(f"zero.Zero: param_groups[{j}] holds {what}; list trainable parameters")
                 if seen.setdefault(id(p), j) != j:
-                    raise ValueError(f"zero.Zero: parameter '{name[id(p)]}' is in param_groups {seen[id(p)]} "
-                                     f"and {j}; give each parameter one group")
-            out.append(g if optimizer is not None else dict(g, params=list(dict.fromkeys(ps))))
+                    raise ValueError(f"zero.Zero: '{name[id(p)]}' is in param_groups {seen[id(p)]} and {j}")
+            out.append(g if adopt else dict(g, params=list(dict.fromkeys(ps))))
         rest = [f.params[i] for f, i in where.values() if id(f.params[i]) not in seen]
-        if optimizer is not None and rest:
+        if adopt and rest:
             raise ValueError(f"zero.Zero: {[name[id(p)] for p in rest][:5]} require grad but are in no param "
                              "group of the optimizer; add them to it, or freeze them before zero.Zero")
+        # parameters in no group: Config's values, weight decay on >= 2-D ones only
         out += [g for g in (dict(params=[p for p in rest if p.dim() >= 2]),
                             dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0)) if g["params"]]
-        for j, g in enumerate(out):         # each parameter's group, recorded in its flat buffer
+        for j, g in enumerate(out):         # each parameter's group, in its flat buffer
             for f, i in (where[id(p)] for p in g["params"] if id(p) in where):
                 f.group[i] = j
         super().__init__(out, dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay))
-        if optimizer is not None:           # from now on the script's optimizer is driven by the engine
-
+        if adopt:                           # the script's optimizer, driven by the engine from now on
             def step(closure=None):
                 optimizer._opt_called = True    # what torch's LR schedulers look for
                 return engine.step()
@@ -1360,155 +1209,127 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.engine._step()
 
     def zero_grad(self, set_to_none=True):
-        # the engine moves each gradient into its flat buffer as it arrives
-        pass
+        """Nothing to do: the engine moves each gradient into its flat buffer as it arrives."""
 
     def state_dict(self):
-        raise RuntimeError("zero: the optimizer's state lives in the engine's shards: use "
-                           "zero.save(engine, dir) and zero.load(engine, dir)")
+        raise RuntimeError("zero: the optimizer's state is in the engine's shards: use zero.save/zero.load")
 
     load_state_dict = state_dict
 
 
 def _foreign_step(opt, args, kwargs):
-    # a torch optimizer stepping parameters an engine owns changes nothing: the engine takes their gradients
+    # a torch optimizer stepping an engine's parameters changes nothing: the engine takes their gradients
     if not isinstance(opt, ZeroOptimizer) and any(id(p) in e.owned for e in _ENGINES for g in opt.param_groups
                                                   for p in g["params"]):
         raise RuntimeError(f"zero: a torch.optim.{type(opt).__name__} is stepping parameters zero.Zero owns, "
                            "which changes nothing: pass it as zero.Zero(model, cfg, optimizer=opt)")
 
 
-register_optimizer_step_pre_hook(_foreign_step)
-_torch_clip, _torch_compile = torch.nn.utils.clip_grad_norm_, torch.compile
-
-
 @functools.wraps(_torch_clip)
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    # a DDP script's torch.nn.utils.clip_grad_norm_(model.parameters(), c) on an engine's parameters, whose
-    # gradients live in its shards (torch's would see none and return 0): the engine's, as under DDP
+    # DDP's clip of an engine's parameters, whose gradients are in its shards: the engine's clip, as under DDP
     ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    engine = next((e for e in _ENGINES for p in ps[:1] if id(p) in e.owned), None)
-    if engine is None:
+    owner = next((e for e in _ENGINES for p in ps[:1] if id(p) in e.owned), None)
+    if owner is None:
         return _torch_clip(ps, max_norm, norm_type, error_if_nonfinite, foreach)
-    if {id(p) for p in ps if p.requires_grad} != {id(p) for u in engine.units if u.train
+    if {id(p) for p in ps if p.requires_grad} != {id(p) for u in owner.units if u.train
                                                    for p in u.train.params}:
-        raise ValueError("zero: clip_grad_norm_ of some of the engine's parameters: zero clips all of them "
-                         "together; pass model.parameters()")
-    return engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        raise ValueError("zero: clip_grad_norm_ takes all the engine's parameters: pass model.parameters()")
+    return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
 
 def _compile(model=None, **kwargs):
-    # torch.compile(engine): the model inside it is compiled (as if compiled before wrapping), the engine
-    # returned
+    # torch.compile(engine) compiles the model inside it (as if before wrapping) and returns the engine
     if isinstance(model, Zero):
         model._forward = _torch_compile(model._forward, **kwargs)
         return model
     return _torch_compile(**kwargs) if model is None else _torch_compile(model, **kwargs)
 
 
+register_optimizer_step_pre_hook(_foreign_step)
 torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
 torch.compile = functools.wraps(_torch_compile)(_compile)
 
 
 @atexit.register
 def _close_groups():
-    # at exit, before Python finalizes, what is in flight is waited for and the engines' process groups
-    # destroyed, so that their gloo threads end now: one dropping a finished collective's tensors once
-    # finalization began aborts the process ("terminate called without an active exception")
+    # at exit, wait for what is in flight and destroy the process groups so that their gloo threads end before
+    # Python finalizes: one dropping a finished collective's tensors then aborts the process ("terminate
+    # called without an active exception")
     engines = list(_ENGINES)
     try:
         for w in [w for e in engines for u in e.units for w in u.works] + [w for e in engines for _, w in
                                                                           e.sched.in_flight]:
             if w is not None:               # (one rank: nothing was launched)
                 w.wait(datetime.timedelta(seconds=5))
-    # a collective that failed or never ends: joining its thread could hang
-    except RuntimeError:
+    except RuntimeError:                    # a collective that failed or never ends: joining could hang
         return
     for e in engines:
         e.sched.in_flight, e.net.groups = collections.deque(), {}
         for u in e.units:
             u.works = []
-    groups = list(_GROUPS.values())
-    _GROUPS.clear()
-    while groups:
+    while _GROUPS:                          # dropping each one's last reference joins its threads
         with contextlib.suppress(Exception):   # one the script destroyed already
-            dist.destroy_process_group(groups[-1])
-        del groups[-1]                      # its last reference: its threads are joined here
+            dist.destroy_process_group(_GROUPS.popitem()[1])
 
 
 class Zero:
     """Wraps a model: shards it in place into units, hooks its forward and backward, and steps AdamW on this
-    rank's shard. Call it like the model (its other attributes and methods are the model's), then
-    backward(loss), then step()."""
+    rank's shard. Call it like the model (whose other attributes it lends), then backward(loss), step()."""
 
     def __init__(self, model, cfg=None, units=None, init_fn=None, param_groups=None, group=None,
                  optimizer=None):
         self.cfg = cfg = (cfg or Config()).validate()   # a bad config fails here, before any collective
-        # compiled first: its own names
-        self.module, self._forward = getattr(model, "_orig_mod", model), model
+        self.module, self._forward = getattr(model, "_orig_mod", model), model   # compiled: its own names
         self.net = net = Comm(cfg, group)
         self.plan = plan = Plan.of(cfg, net)
         self.rank, self.world, self.device, self.dtype = net.rank, net.world, net.device, plan.dtype
-        self.scaler = LossScaler(cfg)
-        # applied steps (an fp16 overflow skips one); the last norm
-        self.step_count, self.grad_norm = 0, 0.0
-        # this step's clip_grad_norm_ max_norm; parameters with a grad
-        self.clip = self.got = None
-        self.worker = self.d2h = None               # offload: the update thread; CUDA: an event after the D2H
-        self.unfilled = set()                       # names built on the meta device that nothing initialized
-        # offload on CUDA: kind -> [pinned block of host state, used]
-        self.pinned = {}
-        self.last_comm = {}                         # the last step's ledger
+        # steps applied (an fp16 overflow skips one), the last norm, clip_grad_norm_'s max_norm, which
+        # parameters got a gradient; offload: the update thread, on CUDA an event after the D2H copies
+        self.scaler, self.step_count, self.grad_norm = LossScaler(cfg), 0, 0.0
+        self.clip = self.got = self.worker = self.d2h = None
+        # meta tensors nothing initialized; offload on CUDA: kind -> [pinned block, used]; the last ledger
+        self.unfilled, self.pinned, self.last_comm = set(), {}, {}
         self.names = {id(m): n for n, m in self.module.named_modules()}
-
-        # -- which parameter goes to which unit: one of several units (a tied weight) goes to the root
+        # each parameter, by identity (a tied weight has several names), to the one unit that holds it
         unit_modules = list(units) if units is not None else find_units(self.module)
-        owners = {}                         # by identity: a parameter under two names counts once
-        for i, m in enumerate(unit_modules):
-            for p in m.parameters():
-                owners.setdefault(id(p), set()).add(i)
+        owner = {}                          # a parameter in several units (a tied weight) goes to the root
+        for i, p in ((i, p) for i, m in enumerate(unit_modules) for p in m.parameters()):
+            owner[id(p)] = i if owner.get(id(p), i) == i else -1
         named = list(self.module.named_parameters())   # each tensor once, under its first name
         if not any(p.requires_grad for _, p in named):
             raise ValueError("zero.Zero: the model has no trainable parameters (requires_grad=True)")
-        members = [[] for _ in unit_modules] + [[]]    # the last: the root
-        for n, p in named:
-            o = owners.get(id(p), ())
-            members[next(iter(o)) if len(o) == 1 else -1].append((n, p))
+        members = [[(n, p) for n, p in named if owner.get(id(p), -1) == i]   # the last: the root
+                   for i in [*range(len(unit_modules)), -1]]
         unit_of, self.units = {}, []
         for m, ps in zip(unit_modules + [self.module], members):
-            # trainable and frozen parameters in flat buffers of their own: frozen ones are gathered, never
-            # reduced
+            # trainable and frozen parameters in flat buffers of their own: frozen ones are never reduced
+            split = {tr: [x for x in ps if x[1].requires_grad == tr] for tr in (True, False)}
             flats = [Flat(part, tr, plan, plan.shards_params or (tr and plan.shards_optim))
-                     for tr, part in ((True, [x for x in ps if x[1].requires_grad]),
-                                      (False, [x for x in ps if not x[1].requires_grad])) if part]
+                     for tr, part in split.items() if part]
             if flats:                       # a block without parameters is no unit
-                unit_of[id(m)] = Unit(len(self.units), m, self.names.get(id(m)) or "root", flats, plan, net,
-                                      m is self.module)
-                self.units.append(unit_of[id(m)])
+                self.units.append(Unit(len(self.units), m, self.names.get(id(m)) or "root", flats, plan, net,
+                                       m is self.module))
+                unit_of[id(m)] = self.units[-1]
         self.root = unit_of.get(id(self.module))
         self.owned = {id(p) for u in self.units for p in u.params}
-        self.sched = Schedule(self.units, plan, net)
+        self.sched = s = Schedule(self.units, plan, net)
         self.optimizer = ZeroOptimizer(self, param_groups, optimizer)
         self._check_ranks_agree()           # before the first collective that depends on the layout
-
-        # -- one unit at a time: a model on the meta device becomes real here, then its unit is sharded and
-        # the rest freed, so that no rank ever holds the whole model
+        # one unit at a time: a meta model becomes real, then the unit is sharded and the rest freed, so that
+        # no rank ever holds the whole model
         stop, self.made, self.placed, rounded = {id(m) for m in unit_modules}, set(), {}, []
         for m in unit_modules + [self.module]:
             mods = list(_post_order(m, stop - {id(m)}))   # the root: every module outside the units
             self._materialize(mods, init_fn)
-            self._place_buffers(mods)
             rounded += self._build(unit_of[id(m)]) if id(m) in unit_of else []
         self._warn_rounded(rounded)
-
-        # -- hooks: one per trainable parameter's gradient (once per backward, after autograd summed its
-        # uses); a forward begins with the first module outside the units to start and ends when it returns;
-        # each unit's forward. Recompute every k-th block (not the root's head): non-reentrant, so dropout's
-        # RNG is kept, inside the hooks (stage 3 gathers before it)
-        s, ref = self.sched, weakref.ref(self.sched)
-        for u in self.units:
-            for i, p in enumerate(u.train.params if u.train else ()):
-                p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, u.index, i))
+        # hooks: each trainable parameter's gradient (after autograd summed its uses); a forward starts with
+        # the first module outside the units and ends when it returns; each unit's forward. Every k-th block
+        # (not the root) recomputes: non-reentrant (dropout's RNG kept), inside the hooks (stage 3 gathers)
+        for u in (u for u in self.units if u.train):
+            for i, p in enumerate(u.train.params):
+                p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(s), u.index, i))
         for m in mods:
             m.register_forward_pre_hook(self._enter)
             m.register_forward_hook(s.exit, always_call=True)
@@ -1529,15 +1350,13 @@ class Zero:
         _ENGINES.add(self)
 
     def _check_ranks_agree(self):
-        # ranks that disagree on the config or the model would hang in mismatched collectives: say what
-        # differs
+        # ranks that disagree on the config or model would hang in mismatched collectives: say what differs
         c = self.cfg
         layout = ";".join(f"{u.index}:{n}:{tuple(p.shape)}:{f.group[i]}:{f.trainable}" for u in self.units
-                          for f in u.flats for i, (n, p) in enumerate(zip(f.names, f.params)))
+                          for f in u.flats for i, (n, p) in enumerate(zip(f.names, f.params))).encode()
         mine = dict(stage=c.stage, dtype=c.dtype, accum_steps=c.accum_steps, offload=c.offload,
                     units=len(self.units), params=sum(f.numel for u in self.units for f in u.flats),
-                    layout=zlib.crc32(layout.encode()),
-                    config=zlib.crc32(repr(dataclasses.asdict(c)).encode()))
+                    layout=zlib.crc32(layout), config=zlib.crc32(repr(dataclasses.asdict(c)).encode()))
         if self.net.same(zlib.crc32(repr(mine).encode())):
             return
         every = self.net.all_gather_object(mine)    # only when they differ: what each rank has
@@ -1547,37 +1366,32 @@ class Zero:
                 raise ValueError("zero.Zero: ranks disagree (" + "; ".join(diff) + "); launch every rank "
                                  "with the same model and the same zero.Config")
 
-    # -- building: meta tensors made real, buffers placed, units sharded
-
     def _materialize(self, mods, init_fn):
-        """Meta tensors of `mods` become real on the engine's device (the same Python objects: tied weights
-        stay tied), initialized by init_fn(module) for each module or by each module's own
-        reset_parameters(). What nothing initialized is marked unfilled: load_state_dict fills it; a
-        forward or step before is an error."""
-        made, lowest = [], lambda t: torch.iinfo(t.dtype).min if t.dtype != torch.bool else 0   # noqa: E731
+        """Meta tensors of `mods` made real on the device (the same objects: ties hold), then init_fn(module)
+        or reset_parameters(); what nothing wrote is unfilled (load_state_dict fills it). Then the buffers:
+        whole on every rank, floats in the compute dtype, rank 0's values, each tensor once."""
+        made, low = [], lambda t: torch.iinfo(t.dtype).min if t.dtype != torch.bool else 0   # noqa: E731
         for m in mods:
             for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
                 if t.is_meta and id(t) not in self.made:
                     new = torch.empty_like(t, device=self.device)   # with a marker no initializer writes
-                    new.fill_(float("nan") if t.is_floating_point() else lowest(t))
+                    new.fill_(float("nan") if t.is_floating_point() else low(t))
                     torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad)
                                              if isinstance(t, nn.Parameter) else new)
                     made.append((m, n))
                     self.made.add(id(t))
+        # init_fn sees every module (it may fill a module's own tensors); reset_parameters() only the
+        # modules with a made tensor, as it would overwrite real ones
         with torch.no_grad():
             for m in dict.fromkeys(m for m, _ in made) if init_fn is None else mods if made else ():
                 if init_fn or callable(getattr(m, "reset_parameters", 0)):
                     init_fn(m) if init_fn else m.reset_parameters()
+        # a marker still whole: nothing initialized the tensor (a bool tensor holds none)
         for m, n in made:
-            t = getattr(m, n)
+            t, prefix = getattr(m, n), self.names.get(id(m), "")
             if t.isnan().any() if t.is_floating_point() else \
-                    t.dtype != torch.bool and bool((t == lowest(t)).all()):
-                prefix = self.names.get(id(m), "")
+                    t.dtype != torch.bool and bool((t == low(t)).all()):
                 self.unfilled.add(f"{prefix}.{n}" if prefix else n)
-
-    def _place_buffers(self, mods):
-        # buffers (norm statistics, masks, position tables) stay whole on every rank, floats in the compute
-        # dtype, with rank 0's values, each tensor once however many modules share it
         for m in mods:
             for n, b in m.named_buffers(recurse=False):
                 if id(b) not in self.placed:
@@ -1587,9 +1401,8 @@ class Zero:
                 m._buffers[n] = self.placed[id(b)]
 
     def _state(self, kind, n, dtype=torch.float32, src=None):
-        # shard state, zeros or a copy of src. Offload on CUDA carves it from one block per kind, registered
-        # with CUDA at its exact size: torch's pinned allocator rounds each block up to a power of two, up to
-        # twice what memory() counts (and pinned memory cannot be swapped)
+        # shard state, zeros or src's copy. Offload on CUDA carves it from one block per kind, registered with
+        # CUDA at its size: torch's pinned allocator rounds up to a power of two (and it cannot be swapped)
         if not self.plan.pin:
             t = torch.empty(n, dtype=dtype, device=self.plan.host)
         else:
@@ -1601,33 +1414,33 @@ class Zero:
         return t.copy_(src) if src is not None else t.zero_()
 
     def _build(self, u):
+        # one flat buffer whole at a time, in fp32, with rank 0's values; returns the frozen parameters whose
+        # values the compute dtype changes
         rounded = []
         for f in u.flats:
-            # one whole flat buffer in fp32 at a time: master weights start from the model's own values
             full = torch.zeros(f.padded, dtype=torch.float32, device=self.device)
-            with torch.no_grad():
-                for p, o in zip(f.params, f.offsets):
-                    full[o:o + p.numel()].copy_(p.detach().reshape(-1))
-            self.net.broadcast(full)        # every rank starts from rank 0's values
+            for n, p, o in zip(f.names, f.params, f.offsets):
+                full[o:o + p.numel()].copy_(p.detach().reshape(-1))
+                p._zero_name, p._zero_owner = n, (weakref.ref(self.sched), u.index)
+            self.net.broadcast(full)
             rounded += [n for n in f.build(full, self.plan, self._state) if n not in self.unfilled]
             self.net.hold(f.flat.untyped_storage().nbytes())
-            for n, p in zip(f.names, f.params):
-                p._zero_name, p._zero_owner = n, (weakref.ref(self.sched), u.index)
             del full
         if self.plan.shards_params:
             u.reshard()
-        return rounded                      # frozen parameters whose values the compute dtype changes
+        return rounded
 
     def _warn_rounded(self, names):
+        # once per build or load: a frozen base that the compute dtype rounds is not the one the user gave
         if names:
             warnings.warn(f"zero: frozen parameters {names[:8]}{' ...' * (len(names) > 8)} change when "
                           f"rounded to {self.cfg.dtype}, in which zero holds them; "
                           "Config(frozen_dtype='fp32') keeps them exact")
 
     def __call__(self, *args, **kwargs):
-        # noqa: E731 -- float inputs, as params
-        cast = lambda t: t.to(self.dtype) if t.is_floating_point() else t
-        return self._forward(*_tree_map(cast, args), **_tree_map(cast, kwargs))
+        # float inputs in the compute dtype, as the parameters
+        args, kwargs = _tree_map(lambda t: t.to(self.dtype) if t.is_floating_point() else t, (args, kwargs))
+        return self._forward(*args, **kwargs)
 
     def __getattr__(self, name):
         # what a script asks of its model (generate(), config, parameters(), its own methods) is the model's
@@ -1644,32 +1457,31 @@ class Zero:
 
     @torch.compiler.disable
     def _enter(self, module, args):
+        # a forward's first module: no forward runs on tensors that nothing initialized
         if self.unfilled and not self.sched.depth:
             self.sched.depth += 1           # (the exit hook runs all the same, and counts it out)
             raise RuntimeError(f"zero: {sorted(self.unfilled)[:8]} were built on the meta device and nothing "
-                               "initialized them: call engine.load_state_dict(sd), or pass init_fn=fn to "
-                               "zero.Zero")
+                               "initialized them: call engine.load_state_dict(sd), or pass init_fn=fn")
         self.sched.enter()
 
-    # -- backward
-
     def backward(self, loss):
-        """Backward of this micro-batch's plain mean loss (the engine divides by accum_steps itself); returns
-        when its gradients are reduced."""
+        """Backward of this micro-batch's plain mean loss (the engine divides by accum_steps); returns when
+        its gradients are reduced."""
         cfg, s = self.cfg, self.sched
         if s.micro >= cfg.accum_steps:
             raise RuntimeError(f"zero: backward() called {s.micro + 1} times without step(); "
                                f"Config.accum_steps={cfg.accum_steps}")
-        # DDP's habit, loss / accum_steps: divided twice, silently
-        fn, d = getattr(loss, "grad_fn", None), None
+        # DDP's habit, loss / accum_steps, would divide twice; (a + b) / 2 is two halves' mean
+        fn = getattr(loss, "grad_fn", None)
         if cfg.accum_steps > 1 and fn is not None and fn.name() in ("DivBackward0", "MulBackward0") and \
-                "Add" not in str(fn.next_functions[0][0]):   # (a + b) / 2: two halves' mean, not DDP's habit
+                "Add" not in str(fn.next_functions[0][0]):
             d = getattr(fn, "_saved_other", None)
-            d = 1 / d if fn.name() == "MulBackward0" and isinstance(d, torch.Tensor) and d.numel() == 1 else d
-        if isinstance(d, torch.Tensor) and d.numel() == 1 and d.device.type == "cpu" and \
-                math.isclose(d.item(), cfg.accum_steps, rel_tol=1e-6):
-            raise ValueError(f"zero: the loss is divided by accum_steps={cfg.accum_steps}: pass the "
-                             "micro-batch's plain mean loss; engine.backward divides by accum_steps itself")
+            if isinstance(d, torch.Tensor) and d.numel() == 1 and d.device.type == "cpu" and math.isclose(
+                    (1 / d if fn.name() == "MulBackward0" else d).item(), cfg.accum_steps, rel_tol=1e-6):
+                raise ValueError(f"zero: the loss is divided by accum_steps={cfg.accum_steps}: pass the "
+                                 "plain mean loss; engine.backward divides by accum_steps itself")
+        # every rank calls backward (checked through the store after evaluation forwards); the first learns
+        # the units' order; the last step's host update lands before new gradients do
         self.net.agree("backward", check=s.evals)
         s.evals = 0
         if not s.learned:
@@ -1683,24 +1495,21 @@ class Zero:
             (loss.float() * self.scaler.scale if self.scaler.enabled else loss).backward()
         except torch.utils.checkpoint.CheckpointError as e:
             raise RuntimeError("zero: activation recompute replayed a different forward (see above), as a "
-                               "model filling a key/value cache does: pass use_cache=False, or use the "
-                               "model's own gradient_checkpointing_enable(), Config(checkpoint=False)") from e
+                               "key/value cache does: pass use_cache=False, or use the model's own "
+                               "gradient_checkpointing_enable() and Config(checkpoint=False)") from e
         finally:
             s.in_backward = False
         s.end_backward()
 
-    # -- step
-
     def step(self):
-        """AdamW on this rank's shard, then the updated parameters go back to every rank. Returns False when
-        the gradients were not finite (fp16 overflow: the step is skipped)."""
+        """AdamW on this rank's shard, the updated parameters back to every rank. Returns False when the
+        gradients were not finite (fp16 overflow: the step is skipped)."""
         return self.optimizer.step()        # through the optimizer, so that LR schedulers see the step
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        """torch.nn.utils.clip_grad_norm_ of the engine's gradients, between the last backward and step(): the
-        global norm (of the unscaled mean gradient, every rank the same) is returned and the step clips at
-        max_norm instead of Config.grad_clip. torch's own function, given the engine's parameters, calls
-        this."""
+        """torch.nn.utils.clip_grad_norm_ of the engine's gradients (torch's, given them, calls this), between
+        the last backward and step(): returns the global norm of the unscaled mean gradient, and the step
+        clips at max_norm instead of Config.grad_clip."""
         if float(norm_type) != 2.0:
             raise ValueError(f"zero: clip_grad_norm_(norm_type={norm_type}): zero clips the L2 norm; use 2.0")
         norm = self._agree_step()
@@ -1710,8 +1519,8 @@ class Zero:
         return torch.tensor(norm)
 
     def _agree_step(self):
-        """The step up to the update, once per step (clip_grad_norm_ may run it first): the last
-        reductions, and the one all-reduce of the step's agreement; returns the global gradient norm."""
+        """The step up to the update, once (clip_grad_norm_ may run it first): the last reductions and the
+        step's one all-reduce of agreement; returns the global gradient norm."""
         cfg, s, plan = self.cfg, self.sched, self.plan
         if s.micro == cfg.accum_steps + 1:  # agreed already
             return self.grad_norm
@@ -1734,22 +1543,22 @@ class Zero:
         if plan.pin:                        # the worker waits for the gradient shards' copies to the host
             self.d2h = torch.cuda.Event()
             self.d2h.record()
-        # one all-reduce carries the step's agreement, in fp64 (exact for these integers): the gradient's
-        # squared norm, once per shard (inf or nan: overflow); the fingerprint of each rank's collectives and
-        # calls, with its squares; which units are kept whole; which parameters got a gradient on any rank
+        # one fp64 all-reduce (exact for these integers) agrees on: the squared gradient norm (inf or nan:
+        # overflow), the fingerprint of each rank's collectives and calls with its squares, the units kept
+        # whole, the parameters with a gradient on any rank
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for u in trained:
             sq += u.sq_norm()
-        # a copy several ranks hold (stage 0's gradient, hybrid replicas) counts once: the others add 0 times
-        # their sum, nan if theirs is not finite, so that an overflow anywhere skips everywhere
+        # a copy several ranks hold (stage 0, hybrid replicas) counts once: the others add 0 times theirs (nan
+        # if not finite: an overflow anywhere skips everywhere)
         sq *= float((self.net.replica if plan.shards_optim else self.rank) == 0)
         fp = fingerprint(self.net.trace)
         host = torch.tensor(fp + [c * c for c in fp] + [u.keep for u in self.units] +
                             [i in u.train.got for u in trained for i in range(len(u.train.params))],
                             dtype=torch.float64)
         cuda = self.device.type == "cuda"
-        stats = torch.cat([sq.view(1), (host.pin_memory() if cuda else host).to(self.device,
-                                                                               non_blocking=cuda)])
+        host = (host.pin_memory() if cuda else host).to(self.device, non_blocking=cuda)
+        stats = torch.cat([sq.view(1), host])
         self.net.all_reduce(stats, kind="scalar")
         sq, *rest = stats.tolist()
         n = 8 + len(self.units)
@@ -1765,6 +1574,7 @@ class Zero:
         return self.grad_norm
 
     def _step(self):
+        """step() through the optimizer: AdamW with the agreed norm, or, where it is not finite, the skip."""
         cfg, plan, norm = self.cfg, self.plan, self._agree_step()
         clip = self.clip if self.clip is not None else cfg.grad_clip
         got, self.clip, self.sched.micro = self.got, None, 0
@@ -1779,36 +1589,34 @@ class Zero:
         mult = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) / (self.scaler.scale * plan.divide[1])
         self.step_count += 1
         self.scaler.update(overflow=False)
-        # each group's hyperparameters as they are now (schedulers set them between steps); a parameter
-        # without a gradient on any rank is left untouched, its step count too, as torch's AdamW does
+        # the groups' hyperparameters as they are now (schedulers set them); a parameter without a gradient
+        # on any rank is left untouched, its step count too, as torch's AdamW does
         hyper = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.optimizer.param_groups]
-        runs, k = {}, 0
-        for u in (u for u in self.units if u.train):
-            f = u.train
-            used, k = got[k:k + len(f.params)], k + len(f.params)
-            f.steps = [s + 1 if used[i] else s for i, s in enumerate(f.steps)]
-            runs[u.index] = f.runs(used, hyper)
-        if cfg.offload:                     # the update runs behind the next forward, on the worker
+        runs, k, trained = {}, 0, [u for u in self.units if u.train]
+        for u in trained:
+            used, k = got[k:k + len(u.train.params)], k + len(u.train.params)
+            u.train.steps = [s + 1 if g else s for s, g in zip(u.train.steps, used)]
+            runs[u.index] = u.train.runs(used, hyper)
+        if cfg.offload:
+            # the update runs on the worker behind the next forward, in its order; until that gathers, the
+            # others' slices are last step's; the 16-bit slices go to the device
             jobs = []
-            # forward order
-            for u in [u for u in [self.root, *self.sched.order] if u is not None and u.train]:
+            for u in (u for u in [self.root, *self.sched.order] if u is not None and u.train):
                 jobs.append((u, functools.partial(u.update, mult, runs[u.index], self.d2h)))
                 if plan.regathers and u.phase == WHOLE:
-                    # the others' slices are last step's until the next forward gathers
                     u.reshard()
-                # the 16-bit slice
                 self.net.count("h2d", u.train.hi - u.train.lo, u.train.flat.element_size())
             self.worker.submit(jobs)
         else:
-            for u in (u for u in self.units if u.train):
+            for u in trained:
                 u.update(mult, runs[u.index])
-            _regather([u.stale() for u in self.units if u.train] if plan.regathers else [])
+            _regather([u.stale() for u in trained] if plan.regathers else [])
         self.ledger_reset()
         return True
 
     def settle(self):
         """Every unit's host update done and (stages 1-2 with offload) gathered: the state is this step's."""
-        for u in self.units if self.worker else ():
+        for u in self.units if self.worker else ():   # each wait bounded by Config.timeout_s
             self.worker.wait(u)
         _regather(self.units if self.plan.offload and self.plan.regathers else [])
 
@@ -1831,6 +1639,7 @@ class Zero:
 
     @property
     def lr(self):
+        """The first group's lr; set, every group's."""
         return self.optimizer.param_groups[0]["lr"]
 
     @lr.setter
@@ -1838,28 +1647,31 @@ class Zero:
         for g in self.optimizer.param_groups:   # a schedule set by hand: every group gets it
             g["lr"] = value
 
-    # -- what the engine tells its user
-
-    def ledger_reset(self):                 # at the end of a step: what it moved, from forward to update
+    def ledger_reset(self):
+        """At the end of a step: what it moved, from the forward to the update, becomes comm()'s."""
         self.last_comm = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.net.ledger.items()}
         self.net.ledger, self.net.trace, self.sched.ran = {}, [], []
 
     def comm(self):
+        """What the last step moved, by kind: calls, elements and bytes."""
         return self.last_comm
 
     @property
     def loss_scale(self):
+        """fp16's dynamic loss scale (1.0 in bf16 and fp32)."""
         return self.scaler.scale
 
     @property
-    def peak_gathered_bytes(self):          # the most bytes of parameter buffers held at once
+    def peak_gathered_bytes(self):
+        """The most bytes of parameter buffers (in the compute dtype) this rank held at once."""
         return self.net.peak
 
     def memory(self):
         """Bytes of model state this rank holds, by kind, on the device and the host, from the tensors'
         storages, each once (on a CPU-only machine "device" and "host" are one memory, split by role)."""
-        out, seen, host = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
-                           for w in ("device", "host")}, set(), "host" if self.cfg.offload else "device"
+        out = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
+               for w in ("device", "host")}
+        seen, host = set(), "host" if self.cfg.offload else "device"
         for f in (f for u in self.units for f in u.flats):
             for t, kind, where in ((f.flat, "params", "device"), (f.shard, "params", "device"),
                                    (f.grad, "grads", "device"), (f.acc, "grads", "device"),
@@ -1873,17 +1685,13 @@ class Zero:
         return out
 
     def num_params(self, padded=False, frozen=False):
-        # Ψ of the formulas: trainable parameters (frozen=True: the frozen ones; padded: as the buffers hold
-        # them)
+        # Ψ of the formulas: trainable parameters (or the frozen ones), as given or as the buffers hold them
         return sum(f.padded if padded else f.numel for u in self.units for f in u.flats
                    if f.trainable != frozen)
 
-    # -- the whole model in and out, one unit at a time
-
     def full_state_dict(self, rank0_only=False):
-        """The whole model as a plain fp32 state_dict of CPU tensors (every rank calls it). A flat buffer is
-        gathered at a time and moved to the CPU at once: the device never holds more than a unit.
-        rank0_only=True: only rank 0 keeps the result, the others get {}."""
+        """The whole model as a plain fp32 state_dict of CPU tensors (every rank calls it), gathered a flat
+        buffer at a time and moved to the CPU at once. rank0_only=True: the others get {}."""
         self.net.agree("full_state_dict")
         self.settle()
         keep, values = not rank0_only or self.rank == 0, {}
@@ -1891,8 +1699,7 @@ class Zero:
             full = f.state["master"].to(self.device, torch.float32)   # full precision where there is a master
             if f.hi - f.lo < f.padded:      # not whole here (stage 0 and frozen ones at stages 0-2 are)
                 mine, full = full, torch.empty(f.padded, dtype=torch.float32, device=self.device)
-                # its own ledger kind: not training traffic
-                self.net.all_gather(full, mine, kind="state_dict")
+                self.net.all_gather(full, mine, kind="state_dict")   # its own kind: not training traffic
             for p, o in zip(f.params, f.offsets) if keep else ():
                 values[id(p)] = full[o:o + p.numel()].view(p.shape).to("cpu", copy=True)
             del full
@@ -1901,12 +1708,12 @@ class Zero:
                 for k, t in (_model_state(self.module).items() if keep else ())}
 
     def load_state_dict(self, state_dict, strict=True):
-        """Weights from a plain state_dict (model.state_dict() names; tied aliases fine) into every copy the
-        engine keeps, each rank reading only the slices it owns (of a memory-mapped file, only those pages);
-        Adam starts fresh. Missing, unexpected and wrongly shaped entries are one error (strict=False: skipped
-        and returned)."""
+        """Weights from a plain state_dict (model.state_dict() names, tied aliases too) into every copy the
+        engine keeps, each rank reading only its slices; Adam starts fresh. Missing, unexpected and wrongly
+        shaped entries are one error (strict=False: skipped, and returned)."""
         self.net.agree("load_state_dict")
         self.settle()
+        # each parameter is read under the first of its names that the state_dict has
         want, aliases = _model_state(self.module), _aliases(self.module)
         slot = {id(p): next((a for a in aliases[id(p)] if a in state_dict), None) for u in self.units
                 for p in u.params}
@@ -1916,15 +1723,15 @@ class Zero:
                   if k in want and tuple(state_dict[k].shape) != tuple(want[k].shape)]
         if strict:
             _mismatch("load_state_dict:", missing, unexpected, shapes)
-        bad = {k.split(":")[0] for k in shapes}
-        ok = lambda k: k is not None and k not in bad   # noqa: E731 -- a skipped entry keeps its value
+        bad = {k.split(":")[0] for k in shapes}     # a skipped entry keeps its value
+        use = {i: k for i, k in slot.items() if k is not None and k not in bad}
 
-        def read(name, p, start, n, key):   # Adam starts fresh
-            ok_ = key == "master" and ok(slot[id(p)])
-            return state_dict[slot[id(p)]].reshape(-1)[start:start + n] if ok_ else None
-        extra = {k: v for k, v in state_dict.items() if k in want and ok(k) and id(want[k]) not in slot}
-        filled = {a for u in self.units for p in u.params if ok(slot[id(p)]) for a in aliases[id(p)]}
-        self._warn_rounded(_restore(self, lambda: (read, extra), "load the state_dict", filled | set(extra)))
+        def read(name, p, start, n, key):   # the master weights only
+            if key == "master" and id(p) in use:
+                return state_dict[use[id(p)]].reshape(-1)[start:start + n]
+        bufs = {k: v for k, v in state_dict.items() if k in want and k not in bad and id(want[k]) not in slot}
+        filled = {a for i in use for a in aliases[i]}
+        self._warn_rounded(_restore(self, lambda: (read, bufs), "load the state_dict", filled | set(bufs)))
         for f in (f for u in self.units for f in u.flats):
             f.steps = [0] * len(f.params)
         return LoadResult(missing, unexpected, shapes)
@@ -1938,10 +1745,9 @@ LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys 
 
 
 class HostWorker:
-    """ZeRO-Offload's update thread: it runs one step's jobs (unit, fn) in the forward's order while the
-    caller goes on to the next forward, which waits only for the unit it is about to run. A failure is
-    raised in the caller's thread at its next wait; at exit the thread finishes its jobs (a daemon thread
-    killed inside a kernel aborts the process)."""
+    """ZeRO-Offload's update thread: one step's jobs (unit, fn) in the forward's order while the caller goes
+    on to the next forward, which waits only for the unit it is about to run. A failure is raised in the
+    caller at its next wait; at exit the thread finishes its jobs (a daemon killed in a kernel aborts)."""
 
     def __init__(self, device, timeout_s):
         self.jobs, self.error, self.timeout = queue.Queue(), None, timeout_s
@@ -1950,6 +1756,7 @@ class HostWorker:
         self.thread.start()
 
     def submit(self, jobs):
+        # cleared before the jobs are queued: a wait never takes the last step's flag for this one's
         for u, _ in jobs:
             u.updated.clear()
         self.jobs.put(jobs)
@@ -1964,11 +1771,11 @@ class HostWorker:
                 pass
 
     def _do(self, jobs):
-        # one step's jobs; nothing of them stays referenced here after (the engine can be freed)
+        # one step's jobs, none referenced here after (the engine can be freed); a failure is the caller's
         for u, fn in jobs or ():
             try:
                 fn()
-            except BaseException as e:      # handed to the caller at its next wait
+            except BaseException as e:
                 self.error = e
             u.updated.set()
         return jobs is not None
@@ -1984,22 +1791,22 @@ class HostWorker:
             torch.cuda.current_stream().wait_event(u.h2d)
 
     def close(self):
+        # the jobs queued before are done first; bounded, so that a hung update cannot hang the exit
         self.jobs.put(None)
         self.thread.join(self.timeout)
 
 
 def _mismatch(what, missing, unexpected, shapes):
     # one error for all that does not fit: names the model lacks, names it has that the weights lack, shapes
-    if missing or unexpected or shapes:
-        parts = (f"missing {missing}" * bool(missing), f"unexpected {unexpected}" * bool(unexpected),
-                 f"shapes differ: {shapes}" * bool(shapes))
-        raise ValueError(f"zero: {what} " + "; ".join(x for x in parts if x))
+    parts = [f"{k} {v}" for k, v in (("missing", missing), ("unexpected", unexpected),
+                                     ("shapes differ:", shapes)) if v]
+    if parts:
+        raise ValueError(f"zero: {what} " + "; ".join(parts))
 
 
 def _pinned(block):
-    # block registered with CUDA as it is (unregistered when freed, as torch pairs them), or, refused, a copy
-    # from torch's pinned allocator, rounded up; the refusal's CUDA error is cleared, or the next kernel
-    # reports it
+    # block registered with CUDA as it is (unregistered when freed), or, refused, a copy from torch's pinned
+    # allocator, rounded up; the refusal's CUDA error is cleared, or the next kernel reports it
     cudart = torch.cuda.cudart()
     if cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 0) == 0:
         weakref.finalize(block, cudart.cudaHostUnregister, block.data_ptr())
@@ -2038,7 +1845,7 @@ def _aliases(model):
 # path/step_00001000/    meta.json (layout, config, step, scaler, param groups, checksums), written after
 #                        every rank's rank_00000.pt ... (its RNG; for one copy of the shards a slice of every
 #                        flat buffer's unpadded layout, its Flat.state; rank 0: buffers, the script's extra)
-# Every file is written under a temporary name and renamed into place: a crash at any moment leaves `latest`
+# Each file is written under a temporary name and renamed into place: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loading slices the layout: any world size and stage loads it.
 
 FORMAT = "zero.py-checkpoint-2"
@@ -2055,6 +1862,7 @@ def _write_atomic(path, write):
 
 
 def _sha256(path):
+    # block by block: a rank file need not fit in memory
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -2063,32 +1871,26 @@ def _sha256(path):
 
 
 def save(engine, path, extra=None):
-    """Write a sharded checkpoint of `engine` under directory `path` (every rank calls it). `extra`, the
-    script's own state (tensors and plain Python values), is committed in the same atomic step; load()
-    returns it as meta["extra"], read_extra() before there is an engine."""
-    net, rank = engine.net, engine.rank
+    """A sharded checkpoint of `engine` under directory `path` (every rank calls it), with `extra`, the
+    script's own tensors and values: load() returns it as meta["extra"], read_extra() without an engine."""
+    net, rank, flats, name = engine.net, engine.rank, [f for u in engine.units for f in u.flats], None
     net.agree("save")
     engine.settle()                         # offload: the shard state must be this step's
-    name = None                             # rank 0 picks a fresh directory, never a complete checkpoint's
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
+    if rank == 0:                           # a fresh directory, never a complete checkpoint's
         base = f"step_{engine.step_count:08d}"
-        name = next(n for k in itertools.count() for n in [base + f"_{k}" * (k > 0)]
+        name = next(n for n in (base + f"_{k}" * (k > 0) for k in itertools.count())
                     if not os.path.exists(os.path.join(path, n)))
         os.makedirs(os.path.join(path, name))
     name = net.all_gather_object(name)[0]
     d = os.path.join(path, name)
-    # one copy of the shards: slice s, [s*S, (s+1)*S), of every flat buffer's unpadded layout (S the shard
-    # size; stage 0 holds all, saves its slice), so that any run finds element e of buffer i in slice e // S;
-    # with hybrid sharding, shard group i % R (of R) writes buffer i
-    flats, replicas = [f for u in engine.units for f in u.flats], net.replicas
-    n_files, s = (net.shards, net.shard_rank) if engine.plan.shards_optim else (engine.world, rank)
-    shards = []
+    # one copy of the shards, so that any run finds element e of buffer i in file e // S (S the shard size)
+    # of shard group i % R (of R): this rank's slice [a, b) of the unpadded layout, in f.state's coordinates
+    n_files, s, shards = engine.plan.shards, engine.plan.shard_rank, []
     for i, f in enumerate(flats):
-        a, b = s * (f.padded // n_files), min((s + 1) * (f.padded // n_files), f.numel)
-        shards.append({k: v[a - f.lo:a - f.lo + max(b - a, 0)].to(
-            "cpu", torch.float32 if f.trainable else v.dtype).clone() for k, v in f.state.items()}
-            if i % replicas == net.replica else None)
+        a = s * (f.padded // n_files) - f.lo
+        b = max(a, min(a + f.padded // n_files, f.numel - f.lo))
+        shards.append({k: v[a:b].to("cpu", torch.float32 if f.trainable else v.dtype).clone()
+                       for k, v in f.state.items()} if i % net.replicas == net.replica else None)
     blob = dict(flats=shards, rng=torch.get_rng_state())   # each rank's RNG too: dropout's stream goes on
     if engine.device.type == "cuda":        # (a CPU engine makes no CUDA context)
         blob["cuda_rng"] = torch.cuda.get_rng_state(engine.device)
@@ -2097,43 +1899,38 @@ def save(engine, path, extra=None):
                                           if id(v) not in engine.owned})
     fname = os.path.join(d, f"rank_{rank:05d}.pt")
     _write_atomic(fname, lambda f: torch.save(blob, f))
-    sums = net.all_gather_object(_sha256(fname))   # meta.json records each file's checksum: written last
+    sums = net.all_gather_object(_sha256(fname))
     if rank == 0:
         aliases, cfg = _aliases(engine.module), engine.cfg
-        layout = [dict(numel=f.numel, frozen=not f.trainable, params=[
-            dict(name=n, shape=list(p.shape), offset=o, aliases=aliases[id(p)], step=s)
-            for n, p, o, s in zip(f.names, f.params, f.offsets, f.steps)]) for f in flats]
-        groups = [{k: v for k, v in g.items() if k in GROUP_KEYS or k == "initial_lr"}
-                  for g in engine.optimizer.param_groups]
-        meta = dict(format=FORMAT, world_size=engine.world, shards=n_files, replicas=replicas,
+        meta = dict(format=FORMAT, world_size=engine.world, shards=n_files, replicas=net.replicas,
                     stage=cfg.stage, dtype=cfg.dtype, config=dataclasses.asdict(cfg), step=engine.step_count,
-                    scaler=engine.scaler.state_dict(), param_groups=groups, flats=layout,
+                    scaler=engine.scaler.state_dict(),
+                    param_groups=[{k: v for k, v in g.items() if k in GROUP_KEYS or k == "initial_lr"}
+                                  for g in engine.optimizer.param_groups],
+                    flats=[dict(numel=f.numel, frozen=not f.trainable, params=[
+                        dict(name=n, shape=list(p.shape), offset=o, aliases=aliases[id(p)], step=t)
+                        for n, p, o, t in zip(f.names, f.params, f.offsets, f.steps)]) for f in flats],
                     state_dict_keys=list(_model_state(engine.module)),
                     sha256={f"rank_{r:05d}.pt": s for r, s in enumerate(sums)})
         _write_atomic(os.path.join(d, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
         # the commit point: until this rename, `latest` names the previous checkpoint, which is whole
         _write_atomic(os.path.join(path, "latest"), lambda f: f.write(name.encode()))
     net.all_gather_object(None)             # nobody returns before the checkpoint is whole
-    # older ones go once the new one is complete: each rank its own files, in parallel, then rank 0 the rest
-    # (one left half-deleted is no checkpoint: it has no meta.json)
-    for old in (o for o in os.listdir(path) if o.startswith("step_") and o != name):
-        d = os.path.join(path, old)
+    # then the older ones go, meta.json first (one half-deleted is no checkpoint): each rank its own files up
+    # to the first it does not find, in parallel, then rank 0 the rest
+    for old in (os.path.join(path, o) for o in os.listdir(path) if o.startswith("step_") and o != name):
+        with contextlib.suppress(OSError):
+            if rank == 0:
+                os.remove(os.path.join(old, "meta.json"))
+            for r in range(rank, 1 << 20, engine.world):
+                os.remove(os.path.join(old, f"rank_{r:05d}.pt"))
         if rank == 0:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(d, "meta.json"))
-        for r in range(rank, 1 << 20, engine.world):
-            try:
-                os.remove(os.path.join(d, f"rank_{r:05d}.pt"))
-            except OSError:
-                break
-        if rank == 0:
-            shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class _Files:
-    """A checkpoint, from its directory or its parent's `latest` (read once): its meta, and its rank files,
-    each opened once, memory-mapped, and checked against its checksum by one rank (this one checks files
-    check[0], check[0] + check[1] ...)."""
+    """A checkpoint (its directory, or its parent's `latest`): its meta, and its rank files, each opened once,
+    memory-mapped; this rank checks the checksums of files check[0], check[0] + check[1] ..."""
 
     def __init__(self, path, check):
         if os.path.isfile(os.path.join(path, "latest")):
@@ -2144,12 +1941,12 @@ class _Files:
                                     "'latest'); pass the directory given to zero.save")
         try:
             with open(os.path.join(path, "meta.json")) as f:
-                self.meta = json.load(f)
-            assert self.meta.get("format") == FORMAT
+                self.meta = meta = json.load(f)
+            assert meta.get("format") == FORMAT
         except (ValueError, AssertionError) as e:
             raise ValueError(f"zero: {path}/meta.json is corrupt or of another format; use another "
                              "checkpoint") from e
-        self.d, self.open, meta = path, {}, self.meta
+        self.d, self.open = path, {}
         for r in range(check[0], meta["world_size"], check[1]):
             fname = os.path.join(path, f"rank_{r:05d}.pt")
             if not os.path.isfile(fname):
@@ -2161,7 +1958,6 @@ class _Files:
         # name -> (flat, offset, shard size at save time, shape) in the saved layout
         self.saved = {p["name"]: (i, p["offset"], -(-f["numel"] // meta["shards"]), p["shape"])
                       for i, f in enumerate(meta["flats"]) for p in f["params"]}
-        self.writer = lambda i, s: (i % meta.get("replicas", 1)) * meta["shards"] + s   # the file of slice s
 
     def __call__(self, r):                  # weights_only: a checkpoint is data, never code
         if r not in self.open:
@@ -2170,37 +1966,36 @@ class _Files:
         return self.open[r]
 
     def read(self, name, start, n, key):
-        # elements [start, start+n) of a saved parameter: element e of a saved buffer is in slice e // size
+        # elements [start, start+n) of a saved parameter; element e of buffer i is in slice r = e // size
         i, offset, size, _ = self.saved[name]
-        out, a = [], offset + start
-        while a < offset + start + n:
-            r = a // size
-            b = min(offset + start + n, (r + 1) * size)
-            out.append(self(self.writer(i, r))["flats"][i][key][a - r * size:b - r * size])
+        group, out, a, end = i % self.meta.get("replicas", 1), [], offset + start, offset + start + n
+        while a < end:
+            r, b = a // size, min(end, (a // size + 1) * size)
+            out.append(self(group * self.meta["shards"] + r)["flats"][i][key][a - r * size:b - r * size])
             a = b
         return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def load(engine, path):
-    """Restore a checkpoint into `engine` (every rank calls it), saved at any world size and stage; nothing
-    changes unless every rank read everything it needs. On as many ranks as saved it, each rank's random state
-    comes back too. Returns its meta.json, with the script's `extra` given to save()."""
+    """Restore a checkpoint saved at any world size and stage into `engine` (every rank calls it): all or
+    nothing; on as many ranks as saved it, each rank's random state too. Returns meta.json, with `extra`."""
     engine.net.agree("load")
     engine.settle()
-    files = []
+    files = [None]                          # prepare()'s errors reach every rank through _restore
 
     def prepare():
-        files.append(_Files(path, (engine.rank, engine.world)))
-        f = files[0]
-        mine = [(n, list(p.shape)) for u in engine.units for x in u.flats for n, p in zip(x.names, x.params)]
-        missing, extra = [n for n, _ in mine if n not in f.saved], [n for n in f.saved if n not in dict(mine)]
-        shapes = [f"{n} {s} vs {f.saved[n][3]}" for n, s in mine if n in f.saved and s != f.saved[n][3]]
-        _mismatch("the checkpoint is of another model:", missing, extra, shapes)
+        f = files[0] = _Files(path, (engine.rank, engine.world))
+        mine = {n: list(p.shape) for u in engine.units for x in u.flats for n, p in zip(x.names, x.params)}
+        shapes = [f"{n} {s} vs {f.saved[n][3]}" for n, s in mine.items()
+                  if n in f.saved and s != f.saved[n][3]]
+        _mismatch("the checkpoint is of another model:", [n for n in mine if n not in f.saved],
+                  [n for n in f.saved if n not in mine], shapes)
         # by name: a parameter may sit in another unit, offset or shard than when saved
         return (lambda name, p, start, n, key: f.read(name, start, n, key),
                 {k: v for k, v in f(0)["buffers"].items() if k not in f.saved})
     _restore(engine, prepare, f"load {path}")
     f, meta = files[0], files[0].meta
+    # AdamW's step count per parameter (its bias correction), by name like the values
     steps = {p["name"]: p["step"] for x in meta["flats"] for p in x["params"]}
     for x in (x for u in engine.units for x in u.flats):
         x.steps = [steps.get(n, 0) for n in x.names]
@@ -2226,39 +2021,37 @@ def read_extra(path):
 
 
 def _restore(engine, prepare, what, filled=None):
-    """New weights (and Adam moments, where `read` has them) into every copy the engine keeps. prepare() ->
-    (read(name, param, start, n, key) -> elements or None, {state_dict key: tensor} of buffers). Phase 1 reads
-    this rank's owned slices into fresh tensors; phase 2 has every rank learn whether every rank succeeded;
-    only then phase 3 changes the engine. `filled`: the names it fills (None: all). Returns the frozen
-    parameters whose loaded values change when rounded to the compute dtype."""
-    try:
+    """New weights (and Adam moments, where read() has them) into every copy the engine keeps; prepare() ->
+    (read(name, param, start, n, key) -> elements or None, {state_dict key: buffer}); `filled`: the names it
+    fills (None: all). Returns the frozen parameters whose values change when rounded to the compute dtype."""
+    error, new, rounded = None, [], []
+    try:                                    # phase 1: this rank's owned slices into fresh tensors
         read, extra = prepare()
-        new, rounded = [], []
         for f in (f for u in engine.units for f in u.flats):
-            # a slice `read` does not have keeps its value; a moment starts at zero
+            # a slice read() does not have keeps its value; a moment starts at zero
             st = {k: v.to("cpu", torch.float32, copy=True) if k == "master" else torch.zeros(v.shape)
                   for k, v in f.state.items()}
-            for n, p, o in zip(f.names, f.params, f.offsets):
-                a, b = max(o, f.lo), min(o + p.numel(), f.hi)
-                for k in st if a < b else ():
-                    piece = read(n, p, a - o, b - a, k)
+            for a, b, i in f.segments:
+                for k in st:
+                    piece = read(f.names[i], f.params[i], a + f.lo - f.offsets[i], b - a, k)
                     if piece is not None:
-                        st[k][a - f.lo:b - f.lo] = piece
+                        st[k][a:b] = piece
+                        # a frozen value the compute dtype cannot hold exactly: the caller warns
                         if not f.trainable and not engine.plan.frozen_fp32 and \
                                 not torch.equal(piece.float(), piece.to(engine.dtype).float()):
-                            rounded.append(n)
+                            rounded.append(f.names[i])
             new.append((f, st))
-        error = None
     except Exception as e:                  # a missing or corrupt file, another model: nothing changed yet
         error = e
     # phase 2: a failure is raised on every rank, not a hang in the collectives below; zero's own message (a
     # file that fails its checksum) before what reading that file gave another rank
-    failed = engine.net.all_gather_object(f"{type(error).__name__}: {error}" if error else None)
-    named = [f for f in failed if f and "zero:" in f] or [f for f in failed if f]
-    if error is not None and ("zero:" in str(error) or f"{type(error).__name__}: {error}" == named[0]):
+    mine = f"{type(error).__name__}: {error}" if error else None
+    failed = [m for m in engine.net.all_gather_object(mine) if m]
+    first = ([m for m in failed if "zero:" in m] or failed or [None])[0]
+    if error is not None and ("zero:" in str(error) or mine == first):
         raise error
-    if named:
-        raise RuntimeError(f"zero: another rank could not {what}: {named[0]}")
+    if first:
+        raise RuntimeError(f"zero: another rank could not {what}: {first}")
     for f, st in new:                       # phase 3: the shard state in place, the 16-bit values from it
         for k, v in st.items():
             f.state[k].copy_(v)
@@ -2276,14 +2069,12 @@ def _restore(engine, prepare, what, filled=None):
 def consolidate(path):
     """A sharded checkpoint as one plain fp32 state_dict that the unwrapped model loads; memory holds the
     result and the rank files' memory maps, nothing else."""
-    f, values = _Files(path, (0, 1)), {}
+    f = _Files(path, (0, 1))
+    values = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in f(0)["buffers"].items()}
     for p in (p for x in f.meta["flats"] for p in x["params"]):   # each from its slices in the rank files
         values.update(dict.fromkeys(p["aliases"], f.read(p["name"], 0, math.prod(p["shape"]), "master")
                                     .float().clone().view(p["shape"])))
-    bufs = f(0)["buffers"]
-    return {k: values[k] if k in values else
-            (bufs[k].float() if bufs[k].is_floating_point() else bufs[k]).clone()
-            for k in f.meta["state_dict_keys"]}
+    return {k: values[k] for k in f.meta["state_dict_keys"]}
 
 
 # -----------------------------------------------------------------------------
@@ -2300,19 +2091,18 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, 
     at stages 0-2 a compute copy beside them), sharded at stage 3 only."""
     c = Config(stage=stage, dtype=dtype, reduce_dtype=reduce_dtype, frozen_dtype=frozen_dtype).validate()
     psi, fz, n = num_params, frozen_params, shard_group if stage and shard_group else world_size
-    p, g = DTYPES[c.dtype].itemsize, 4 if c.reduce_dtype else DTYPES[c.dtype].itemsize   # bytes per parameter
-    master = 0 if c.dtype == "fp32" and not offload else 4
-    per = lambda s: n if stage >= s else 1  # noqa: E731 -- each stage divides one more kind by N
-    dev = dict(params=p * psi / per(3), grads=g * psi / per(2), master=master * psi / per(1),
-               optim=8 * psi / per(1),
-               frozen=(4 * fz / n if stage == 3 else 6 * fz) if c.frozen_dtype else p * fz / per(3))
+    p, master = DTYPES[c.dtype].itemsize, 0 if c.dtype == "fp32" and not offload else 4   # bytes per param
+    g = 4 if c.reduce_dtype else p
+    per = [n if stage >= s else 1 for s in range(4)]   # each stage divides one more kind by N
+    dev = dict(params=p * psi / per[3], grads=g * psi / per[2], master=master * psi / per[1],
+               optim=8 * psi / per[1],
+               frozen=(4 * fz / n if stage == 3 else 6 * fz) if c.frozen_dtype else p * fz / per[3])
     host = dict.fromkeys(dev, 0)
-    # the gradient shard, master and moments on the host; on the device stage 1's whole gradient,
-    if offload:
-        # or the shard's sum (accum,
+    if offload:     # the gradient shard, master and moments on the host; on the device stage 1's whole
+        # gradient, or the shard's sum (accumulation, and hybrid: summed across the shard groups there)
         host.update(grads=g * psi / n, master=dev["master"], optim=dev["optim"])
-        dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else g * psi / n if accum_steps > 1 or
-                   n < world_size else 0)   # and hybrid: summed across the shard groups on the device)
+        dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else
+                   g * psi / n if accum_steps > 1 or n < world_size else 0)
     return {w: {k: int(round(v)) for k, v in d.items()} for w, d in (("device", dev), ("host", host))}
 
 
@@ -2330,16 +2120,15 @@ def main(argv=None):
     c.add_argument("out")
     a = ap.parse_args(argv)
     if a.cmd == "estimate":                 # the per-rank table of the ZeRO paper's Figure 1, a row per stage
-        kinds = ("params", "grads", "master", "optim") + ("frozen",) * bool(a.frozen_params)
-        print(f"model states per rank, {a.params:.4g} params" + f" + {a.frozen_params:.4g} frozen" *
-              bool(a.frozen_params) + f", {a.world_size} ranks" + f", shard groups of {a.shard_group}" *
-              bool(a.shard_group) + f", {a.dtype} + fp32 Adam (GB = 1e9 B)\n{'stage':>5} " +
-              " ".join(f"{k:>9}" for k in kinds) + f" {'total':>9}")
+        fz, sg = a.frozen_params, a.shard_group
+        kinds = ("params", "grads", "master", "optim") + ("frozen",) * bool(fz)
+        print(f"model states per rank, {a.params:.4g} params" + f" + {fz:.4g} frozen" * bool(fz) +
+              f", {a.world_size} ranks" + f", shard groups of {sg}" * bool(sg) + f", {a.dtype} + fp32 Adam "
+              f"(GB = 1e9 B)\n{'stage':>5}", *(f"{k:>9}" for k in kinds), f"{'total':>9}")
         for s in range(4):
-            d = estimate_memory(a.params, a.world_size, s, a.dtype, shard_group=a.shard_group,
-                                frozen_params=a.frozen_params)["device"]
-            print(f"{s:>5} " + " ".join(f"{d[k] / 1e9:>9.4g}" for k in kinds) +
-                  f" {sum(d.values()) / 1e9:>9.1f}")
+            d = estimate_memory(a.params, a.world_size, s, a.dtype, shard_group=sg,
+                                frozen_params=fz)["device"]
+            print(f"{s:>5}", *(f"{d[k] / 1e9:>9.4g}" for k in kinds), f"{sum(d.values()) / 1e9:>9.1f}")
     else:                                   # no processes, no GPU: the rank files are read straight from disk
         torch.save(consolidate(a.ckpt), a.out)
         print(f"wrote {a.out}")
@@ -2347,4 +2136,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-

@@ -2482,6 +2482,11 @@ def _eight_ranks(rank, world, ckpt):
 EIGHT = os.path.join(__import__("tempfile").gettempdir(), f"zero_test_8ranks_{os.getpid()}")
 
 
+def teardown_module(module):
+    # the 8-rank spawn's checkpoint folder outlives its tests (they share one spawn): gone with the module
+    __import__("shutil").rmtree(EIGHT, ignore_errors=True)
+
+
 @pytest.mark.parametrize("world", [2, 8])
 def test_lora_frozen_base_sharded_at_stage_3(tmp_path, world):
     ckpt = str(tmp_path / "ck") if world == 2 else EIGHT

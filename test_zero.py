@@ -1097,6 +1097,11 @@ def _side_by_side(rank, world):
         dist.all_reduce(t, group=halves[half])
         losses.append(t.item() / 2)
         engine.step()
+    if half == 0:   # one rank per shard on the user's group: nothing goes to the default group, the others' too
+        one = zero.Zero(make_model(), zero.Config(stage=1, dtype="fp32", shard_group=1, timeout_s=10),
+                        group=halves[0])
+        one.backward(one(xs[0, me * per:(me + 1) * per], ys[0, me * per:(me + 1) * per])["loss"])
+        assert one.step()
     return dict(losses=losses, norms=[], oks=[True], sd=engine.full_state_dict(), world=engine.world)
 
 
@@ -1858,8 +1863,24 @@ def test_stage3_a_part_of_the_model_called_on_its_own():
     assert all(u.phase == zero.FREED for u in engine.units)    # and freed again after it
     engine.backward(engine(x[1], y[1]))
     assert engine.step()
-    with pytest.raises(RuntimeError, match="zero.save"):   # the optimizer's state lives in the engine
-        engine.optimizer.state_dict()
+    for call in (engine.optimizer.state_dict, lambda: engine.optimizer.load_state_dict({})):
+        with pytest.raises(RuntimeError, match="zero.save"):   # the optimizer's state lives in the engine
+            call()
+
+
+def test_a_parameter_of_no_elements_is_saved_and_consolidated(tmp_path):
+    # a 0-element parameter (a placeholder, a width-0 bias) sits in a flat buffer like any other; consolidate
+    # used to fail on it (no slice to read)
+    model = make_model()
+    model.placeholder = nn.Parameter(torch.zeros(0, 3))
+    engine = zero.Zero(model, zero.Config(stage=1, dtype="fp32", lr=LR))
+    x, y = make_batches(1, 2)
+    engine.backward(engine(x[0], y[0])["loss"])
+    assert engine.step()
+    zero.save(engine, str(tmp_path))
+    sd, full = zero.consolidate(str(tmp_path)), engine.full_state_dict()
+    assert list(sd) == list(full) and sd["placeholder"].shape == (0, 3)
+    assert all(torch.equal(sd[k], v) for k, v in full.items())
 
 
 def test_user_chosen_units():

@@ -241,7 +241,7 @@ class Comm:
             with contextlib.suppress(Exception):
                 self.store = dist.distributed_c10d._get_default_store()
             # NCCL makes a communicator at its first call: here, not at peak memory
-            for pg in {id(g): g for g, _ in self.groups.values()}.values():
+            for pg in {id(g): g for g, n in self.groups.values() if n > 1}.values():   # (None: one rank)
                 self.wait(_all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True))
 
     def count(self, kind, elems, elem_size):
@@ -317,7 +317,6 @@ class Comm:
             return
         key = f"{self.prefix}/call{n}"
         try:
-            self.store.set(f"{key}/{self.rank}", what)
             if self.store.add(f"{key}/{what}", 1) == self.world:
                 self.store.set(f"{key}/all", what)
             self.store.wait([f"{key}/all"], self.timeout)
@@ -533,7 +532,7 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
     # torch's fused kernel (torch >= 2.4's signature); a 16-bit gradient goes in chunks through _scratch: on a
     # CPU a fresh fp32 copy costs more in page faults than the update
     n, dev, steps = master.numel(), master.device, torch.zeros((), device=master.device)
-    chunk = n if grad.dtype == torch.float32 else CONVERT_CHUNK
+    chunk = max(n, 1) if grad.dtype == torch.float32 else CONVERT_CHUNK
     inv_mult = torch.full((), 1.0 / grad_mult, device=dev) if grad_mult != 1.0 else None   # divides g
     for a in range(0, n, chunk):
         b, g = min(n, a + chunk), grad[a:a + chunk]
@@ -1211,7 +1210,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         """Nothing to do: the engine moves each gradient into its flat buffer as it arrives."""
 
-    def state_dict(self):
+    def state_dict(self, *args, **kwargs):
         raise RuntimeError("zero: the optimizer's state is in the engine's shards: use zero.save/zero.load")
 
     load_state_dict = state_dict
@@ -1973,7 +1972,7 @@ class _Files:
             r, b = a // size, min(end, (a // size + 1) * size)
             out.append(self(group * self.meta["shards"] + r)["flats"][i][key][a - r * size:b - r * size])
             a = b
-        return torch.cat(out) if len(out) > 1 else out[0]
+        return torch.cat(out) if len(out) > 1 else out[0] if out else torch.zeros(0)   # (a 0-element one)
 
 
 def load(engine, path):

@@ -332,12 +332,12 @@ class Comm:
         with contextlib.suppress(Exception):
             self.store.set(f"{key}{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
         seen, deadline = {}, time.monotonic() + min(3.0, self.timeout.total_seconds() / 2)
-        while len(seen) < self.world and time.monotonic() < deadline:
-            for r in set(range(self.world)) - set(seen):
-                with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):    # the store gone (its host rank died): what was read so far
+            while len(seen) < self.world and time.monotonic() < deadline:
+                for r in set(range(self.world)) - set(seen):
                     if self.store.check([f"{key}{r}"]):
                         seen[r] = json.loads(self.store.get(f"{key}{r}"))
-            time.sleep(0.05 * (len(seen) < self.world))
+                time.sleep(0.05 * (len(seen) < self.world))
         last = "; ".join(f"rank {r}: {log[-1]} (after {', '.join(log[-3:-1]) or 'nothing'})"
                          for r, (_, log) in sorted(seen.items())[:8] if log)
         return "; ".join(_more_calls({r: c for r, (c, _) in seen.items()}) + [last or "no rank said more"])

@@ -1868,6 +1868,41 @@ def test_stage3_a_part_of_the_model_called_on_its_own():
             call()
 
 
+class ComplexBuffer(nn.Module):
+    """A rotary table as a complex buffer (Meta's Llama keeps freqs_cis so) and a module named with a ':'."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)))
+        self.add_module("odd:name", nn.Linear(4, 4))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return (getattr(self, "odd:name")(x) * self.freqs.real).pow(2).mean()
+
+
+def test_meta_complex_buffer_and_a_key_with_a_colon():
+    with torch.device("meta"):
+        model = ComplexBuffer()
+
+    def init(m):
+        if isinstance(m, ComplexBuffer):
+            m.freqs.copy_(torch.polar(torch.ones(4), torch.arange(4.0)))
+        elif isinstance(m, nn.Linear):
+            m.reset_parameters()
+    engine = zero.Zero(model, zero.Config(stage=3, dtype="fp32"), init_fn=init)
+    assert engine.module.freqs.dtype == torch.complex64 and not engine.unfilled
+    engine.backward(engine(torch.randn(3, 4)))
+    assert engine.step()
+    sd = engine.full_state_dict()
+    # strict=False skips the wrongly shaped entry by its exact key, ':' and all, and keeps its value
+    res = engine.load_state_dict(dict(sd, **{"odd:name.weight": torch.zeros(3, 3)}), strict=False)
+    assert res.wrong_shapes == ["odd:name.weight: [3, 3] vs the model's [4, 4]"], res
+    assert all(torch.equal(v, sd[k]) for k, v in engine.full_state_dict().items())
+
+
 def test_a_parameter_of_no_elements_is_saved_and_consolidated(tmp_path):
     # a 0-element parameter (a placeholder, a width-0 bias) sits in a flat buffer like any other; consolidate
     # used to fail on it (no slice to read)

@@ -1369,12 +1369,15 @@ class Zero:
         """Meta tensors of `mods` made real on the device (the same objects: ties hold), then init_fn(module)
         or reset_parameters(); what nothing wrote is unfilled (load_state_dict fills it). Then the buffers:
         whole on every rank, floats in the compute dtype, rank 0's values, each tensor once."""
-        made, low = [], lambda t: torch.iinfo(t.dtype).min if t.dtype != torch.bool else 0   # noqa: E731
+        def marker(t):                      # a value no initializer writes (a bool tensor holds none)
+            return float("nan") if t.is_floating_point() or t.is_complex() else \
+                0 if t.dtype == torch.bool else torch.iinfo(t.dtype).min
+        made = []
         for m in mods:
             for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
                 if t.is_meta and id(t) not in self.made:
                     new = torch.empty_like(t, device=self.device)   # with a marker no initializer writes
-                    new.fill_(float("nan") if t.is_floating_point() else low(t))
+                    new.fill_(marker(t))
                     torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad)
                                              if isinstance(t, nn.Parameter) else new)
                     made.append((m, n))
@@ -1385,11 +1388,10 @@ class Zero:
             for m in dict.fromkeys(m for m, _ in made) if init_fn is None else mods if made else ():
                 if init_fn or callable(getattr(m, "reset_parameters", 0)):
                     init_fn(m) if init_fn else m.reset_parameters()
-        # a marker still whole: nothing initialized the tensor (a bool tensor holds none)
-        for m, n in made:
+        for m, n in made:                   # a marker left: nothing initialized the tensor
             t, prefix = getattr(m, n), self.names.get(id(m), "")
-            if t.isnan().any() if t.is_floating_point() else \
-                    t.dtype != torch.bool and bool((t == low(t)).all()):
+            if t.isnan().any() if t.is_floating_point() or t.is_complex() else \
+                    t.dtype != torch.bool and bool((t == marker(t)).all()):
                 self.unfilled.add(f"{prefix}.{n}" if prefix else n)
         for m in mods:
             for n, b in m.named_buffers(recurse=False):
@@ -1718,11 +1720,10 @@ class Zero:
                 for p in u.params}
         missing = [k for k, t in want.items() if k not in state_dict and not slot.get(id(t))]
         unexpected = [k for k in state_dict if k not in want]
-        shapes = [f"{k}: {list(state_dict[k].shape)} vs the model's {list(want[k].shape)}" for k in state_dict
-                  if k in want and tuple(state_dict[k].shape) != tuple(want[k].shape)]
+        bad = dict.fromkeys(k for k in state_dict if k in want and state_dict[k].shape != want[k].shape)
+        shapes = [f"{k}: {list(state_dict[k].shape)} vs the model's {list(want[k].shape)}" for k in bad]
         if strict:
             _mismatch("load_state_dict:", missing, unexpected, shapes)
-        bad = {k.split(":")[0] for k in shapes}     # a skipped entry keeps its value
         use = {i: k for i, k in slot.items() if k is not None and k not in bad}
 
         def read(name, p, start, n, key):   # the master weights only

@@ -369,19 +369,21 @@ class LossScaler:
         self.clean_steps, self.hysteresis_left = 0, cfg.hysteresis
 
     def update(self, overflow):
-        if self.enabled and not overflow:   # a scale that never grows wastes fp16's range
+        if not self.enabled:
+            return
+        if not overflow:                    # a scale that never grows wastes fp16's range
             self.clean_steps += 1
             if self.clean_steps == self.window:
                 self.scale, self.clean_steps, self.hysteresis_left = self.scale * 2, 0, self.hysteresis
-        elif self.enabled:
-            self.clean_steps = 0
-            if self.hysteresis_left > 1:    # a lone overflow costs no halving, the next ones do
-                self.hysteresis_left -= 1
-            elif self.scale <= self.floor:  # halving cannot help: keep skipping, and say so
-                warnings.warn(f"zero: fp16 gradients overflow at the minimum loss scale {self.floor}; the "
-                              "step is skipped again: lower the lr, check the data, or use bf16")
-            else:
-                self.scale = max(self.scale / 2, self.floor)
+            return
+        self.clean_steps = 0
+        if self.hysteresis_left > 1:        # a lone overflow costs no halving, the next ones do
+            self.hysteresis_left -= 1
+        elif self.scale <= self.floor:      # halving cannot help: keep skipping, and say so
+            warnings.warn(f"zero: fp16 gradients overflow at the minimum loss scale {self.floor}; the step "
+                          "is skipped again: lower the lr, check the data, or use bf16")
+        else:
+            self.scale = max(self.scale / 2, self.floor)
 
     def state_dict(self):
         return dict(scale=self.scale, clean_steps=self.clean_steps, hysteresis_left=self.hysteresis_left)
@@ -617,11 +619,11 @@ class Flat:
     def runs(self, used, hyper):
         # AdamW calls: one per run of adjacent parameters with a gradient, equal hyperparameters and steps
         runs = []
-        for a, b, i in self.segments:
+        for a, b, i in (seg for seg in self.segments if used[seg[2]]):
             key = (self.group[i], self.steps[i])
-            if used[i] and runs and runs[-1][1:] == [a, key]:
+            if runs and runs[-1][1:] == [a, key]:
                 runs[-1][1] = b
-            elif used[i]:
+            else:
                 runs.append([a, b, key])
         return [(a, b, *hyper[g], step) for a, b, (g, step) in runs]
 
@@ -1298,8 +1300,9 @@ class Zero:
         named = list(self.module.named_parameters())   # each tensor once, under its first name
         if not any(p.requires_grad for _, p in named):
             raise ValueError("zero.Zero: the model has no trainable parameters (requires_grad=True)")
-        members = [[(n, p) for n, p in named if owner.get(id(p), -1) == i]   # the last: the root
-                   for i in [*range(len(unit_modules)), -1]]
+        members = [[] for _ in unit_modules] + [[]]    # the last: the root
+        for n, p in named:
+            members[owner.get(id(p), -1)].append((n, p))
         unit_of, self.units = {}, []
         for m, ps in zip(unit_modules + [self.module], members):
             # trainable and frozen parameters in flat buffers of their own: frozen ones are never reduced

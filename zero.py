@@ -168,10 +168,19 @@ def init_distributed(timeout_s=300.0):
 
 # torch 2.13's names (>= 2.4 has the old ones); looked up at each call, so that a test can wrap them
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_reduce, _broadcast = dist.all_reduce, dist.broadcast
+
+
+def _reduce_scatter(out, inp, group=None, async_op=True):
+    # out is inp's own slice. gloo's (CPU tensors) runs inside its wait, which ignores the timeout, at a third of
+    # its all-reduce's speed (measured): there, an all-reduce in place, which leaves the sum in out too
+    if inp.is_cpu:
+        return dist.all_reduce(inp, group=group, async_op=async_op)
+    return _torch_reduce_scatter(out, inp, group=group, async_op=async_op)
 _GROUPS = {}   # (ranks, purpose, world, timeout) -> process group, made once per process, shared by engines
 _SERIALS = {}  # ranks -> a counter of the engines made on them, the same on each
+POLL_S = 1.0    # a wait this long compares the ranks' calls through the store (a call one rank made alone)
 RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls a script may make on one rank only
 CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
 EVERY_RANK = ("every rank calls forward (stage 3 or offload), backward, step, full_state_dict, "
@@ -194,7 +203,9 @@ class Comm:
     def __init__(self, cfg, group=None):
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
         self.ledger, self.trace, self.held, self.peak = {}, [], 0, 0    # held, peak: parameter buffer bytes
-        self.calls, self.log = collections.Counter(), collections.deque(maxlen=6)   # for the errors
+        self.calls = collections.Counter()  # this rank's calls (forward, backward, step, ...) by name
+        self.log = collections.deque(maxlen=64)   # the last of them, (n, name): the n-th call made
+        self.posted = 0                     # the n of the last call this rank posted to the store (a long wait)
         self.check_calls = cfg.check_calls or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
         up = dist.is_available() and dist.is_initialized()
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if up else [0]
@@ -252,17 +263,72 @@ class Comm:
         self.held += nbytes
         self.peak = max(self.peak, self.held)
 
-    def wait(self, work):
-        # a failure, a dead or a stalled rank (the group's timeout ends the collective) becomes this error
+    def wait(self, work, cpu=False):
+        """The collective done: on NCCL the stream waits and the CPU goes on, unless `cpu` (its values are read
+        next); elsewhere the CPU waits, in slices that compare the ranks' calls (see until). A failure, a dead
+        or a stalled rank (the group's timeout ends the collective) becomes this error."""
+        error, why = work if isinstance(work, Exception) else None, None
         try:
-            done = True if work is None else work if isinstance(work, Exception) else \
-                work.wait() if self.stream_waits else work.wait(self.timeout)
+            if work is None or error is not None:
+                pass
+            elif self.stream_waits:
+                work.wait()
+                if cpu and self.device.type == "cuda":   # an event polled, not a sync that hangs unbounded
+                    event = torch.cuda.Event()
+                    event.record()
+                    why = self.until(functools.partial(_event_done, event))
+            else:
+                why = self.until(functools.partial(_work_done, work))
         except RuntimeError as e:           # gloo raises on a timeout, on sizes that differ, on a dead peer
-            done = e
-        if done is not True:
+            error = e
+        if why:
+            raise RuntimeError(f"zero: a collective waits for ranks that made other calls ({why}); {EVERY_RANK}")
+        if error is not None or why is not None:
             raise RuntimeError(f"zero: a collective failed or did not finish in {self.timeout}: another rank "
                                f"died, stalled or made other calls ({self.report()}); if slow, raise "
-                               f"Config.timeout_s; {EVERY_RANK}") from (done or None)
+                               f"Config.timeout_s; {EVERY_RANK}") from error
+
+    def until(self, done):
+        """Wait for done(seconds) -> finished within them, up to timeout_s, in slices of POLL_S: after each the
+        calls this rank made are posted to the store and the first two ranks' read, so that ranks whose n-th
+        calls differ (one made a call alone) learn it in seconds, whatever timeout_s is. Returns None when
+        done, "" at the timeout, else how the calls differ. A wait shorter than POLL_S touches no store."""
+        end = time.monotonic() + self.timeout.total_seconds()
+        while not done(min(POLL_S, max(end - time.monotonic(), 0.01))):
+            if time.monotonic() >= end:
+                return ""
+            differ = self.compare()
+            if differ is not None:
+                return differ
+        return None
+
+    def post(self):
+        # this rank's counts and last calls, where the others read them (a long wait, an error's report)
+        if self.store is not None and self.posted != sum(self.calls.values()):
+            self.store.set(f"{self.prefix}/last/{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
+            self.posted = sum(self.calls.values())
+
+    def read(self, r):
+        # what rank r posted, or None
+        key = f"{self.prefix}/last/{r}"
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def compare(self):
+        # this rank's calls against those ranks 0 and 1 posted (whoever made a call alone waits, or makes others
+        # wait, with one of them): the first n-th call that differs, with both ranks' counts, or None
+        if self.store is None:
+            return None
+        with contextlib.suppress(Exception):    # the store gone (its host rank died): nothing more to learn
+            self.post()
+            mine = dict(self.log)
+            for r in {0, 1} - {self.rank}:
+                theirs = self.read(r)
+                for n, what in theirs[1] if theirs else ():
+                    if n in mine and mine[n] != what:
+                        more = _more_calls({self.rank: self.calls, r: theirs[0]})
+                        lo, hi = sorted([(self.rank, mine[n]), (r, what)])
+                        return "; ".join(more + [f"rank {lo[0]}: {lo[1]}() #{n}, rank {hi[0]}: {hi[1]}() #{n}"])
+        return None
 
     def _launch(self, collective, purpose, kind, t, ring, tag, sync, *tensors):
         pg, n = self.groups.get(purpose, (None, 1))
@@ -273,12 +339,12 @@ class Comm:
                 tensors[0].copy_(tensors[1])
             return None
         work = collective(*tensors, group=pg, async_op=True)
-        return self.wait(work) if sync else work
+        return self.wait(work, cpu=True) if sync else work
 
     def all_reduce(self, t, purpose="world", kind="scalar", sync=True, tag=None):
         return self._launch(_all_reduce, purpose, kind, t, 2, tag, sync, t)
 
-    def reduce_scatter(self, out, inp, sync=True, tag=None):   # out may be inp's own slice
+    def reduce_scatter(self, out, inp, sync=True, tag=None):   # out is inp's own slice
         return self._launch(_reduce_scatter, "shard", "reduce_scatter", inp, 1, tag, sync, out, inp)
 
     def all_gather(self, out, inp, kind="all_gather", sync=True, tag=None):   # inp may be out's own slice
@@ -293,7 +359,7 @@ class Comm:
         pg, n = self.groups["world"]
         t = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
         if n > 1:
-            self.wait(_all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True))
+            self.wait(_all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True), cpu=True)
         return bool(t[0] == -t[1])
 
     def all_gather_object(self, obj):       # Python objects (the setup's, the first backward's, a save's)
@@ -311,7 +377,7 @@ class Comm:
         at key n: a collective made on one rank alone would pair with another's (gloo aborts, NCCL hangs)."""
         self.calls[what] += 1
         n = sum(self.calls.values())
-        self.log.append(f"{what}() #{n}")
+        self.log.append((n, what))
         self.trace.append((what, None))
         if self.store is None or not (what in RARE or check or self.check_calls):
             return
@@ -319,28 +385,63 @@ class Comm:
         try:
             if self.store.add(f"{key}/{what}", 1) == self.world:
                 self.store.set(f"{key}/all", what)
-            self.store.wait([f"{key}/all"], self.timeout)
-        except Exception as e:              # the store's timeout
+            why = self.until(functools.partial(_stored, self.store, f"{key}/all"))
+        except Exception:                   # the store gone: its host rank died
+            why = ""
+        if why:
+            raise RuntimeError(f"zero: {what}() #{n}: the ranks made other calls ({why}); {EVERY_RANK}")
+        if why is not None:
             raise RuntimeError(f"zero: {what}() #{n}: the other ranks did not make this call within "
-                               f"{self.timeout} ({self.report()}); {EVERY_RANK}") from e
+                               f"{self.timeout} ({self.report()}); {EVERY_RANK}")
 
     def report(self):
-        # what each rank called: this rank's counts and last calls written to the store, the others' read
+        # what each rank called: this rank's counts and last calls posted to the store, the others' read
         if self.store is None:
-            return f"rank {self.rank} called " + ", ".join(self.log)
-        key = f"{self.prefix}/last/"
-        with contextlib.suppress(Exception):
-            self.store.set(f"{key}{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
+            return f"rank {self.rank} called " + ", ".join(f"{w}() #{n}" for n, w in self.log)
         seen, deadline = {}, time.monotonic() + min(3.0, self.timeout.total_seconds() / 2)
         with contextlib.suppress(Exception):    # the store gone (its host rank died): what was read so far
+            self.post()
             while len(seen) < self.world and time.monotonic() < deadline:
                 for r in set(range(self.world)) - set(seen):
-                    if self.store.check([f"{key}{r}"]):
-                        seen[r] = json.loads(self.store.get(f"{key}{r}"))
+                    posted = self.read(r)
+                    if posted is not None:
+                        seen[r] = posted
                 time.sleep(0.05 * (len(seen) < self.world))
+        logs = {r: [f"{w}() #{n}" for n, w in log] for r, (_, log) in seen.items()}
         last = "; ".join(f"rank {r}: {log[-1]} (after {', '.join(log[-3:-1]) or 'nothing'})"
-                         for r, (_, log) in sorted(seen.items())[:8] if log)
+                         for r, log in sorted(logs.items())[:8] if log)
         return "; ".join(_more_calls({r: c for r, (c, _) in seen.items()}) + [last or "no rank said more"])
+
+
+def _work_done(work, seconds):
+    # a gloo work finished within `seconds`; a wait that timed out leaves it running (only a failure completes it)
+    try:
+        return work.wait(datetime.timedelta(seconds=seconds)) is not False
+    except RuntimeError:
+        if work.is_completed():
+            raise
+        return False
+
+
+def _event_done(event, seconds):
+    # a CUDA event reached within `seconds`, polled: a stream that never gets there cannot hang the CPU
+    end = time.monotonic() + seconds
+    while not event.query():
+        if time.monotonic() > end:
+            return False
+        time.sleep(1e-4)
+    return True
+
+
+def _stored(store, key, seconds):
+    # the store has `key` within `seconds`, polled (the store's own timed wait logs a warning at each timeout)
+    end, pause = time.monotonic() + seconds, 1e-3
+    while not store.check([key]):
+        if time.monotonic() > end:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    return True
 
 
 def _more_calls(counts):
@@ -563,7 +664,9 @@ def find_units(model):
 
 class Flat:
     """A unit's trainable, or its frozen, parameters as views into one flat buffer.
-    flat: the buffer (compute dtype, padded to equal shards; stage 3 frees its storage between uses)
+    dtype: the buffer's, the compute dtype (frozen tensors that are not floats: their own, never cast)
+    cast: frozen floats held in fp32 (Config.frozen_dtype), cast to the compute dtype when gathered
+    flat: the buffer (padded to equal shards; stage 3 frees its storage between uses)
     lo, hi, owned: the range this rank owns, its values (stage 3: shard, kept; None if frozen fp32)
     state: what checkpoints hold: master (fp32; frozen: as held), exp_avg, exp_avg_sq (offload: on host)
     out: where an update writes the owned values (None: the master is them)
@@ -573,8 +676,10 @@ class Flat:
     segments: (a, b, i): parameter i's owned piece [a, b), from lo
     steps, group, written, got: per parameter: AdamW steps, param group; gradient in grad / came this step"""
 
-    def __init__(self, named_params, trainable, plan, sharded):
+    def __init__(self, named_params, trainable, plan, sharded, dtype=None):
         self.trainable, self.state = trainable, {}
+        self.dtype = dtype or plan.dtype
+        self.cast = dtype is None and not trainable and plan.frozen_fp32
         self.names, self.params = [n for n, _ in named_params], [p for _, p in named_params]
         sizes = [p.numel() for p in self.params]
         *self.offsets, self.numel = itertools.accumulate([0] + sizes)
@@ -589,14 +694,14 @@ class Flat:
         self.acc = self.norm = self.staging = None
 
     def build(self, full, plan, state):
-        """The buffers from `full`, the fp32 values; state(kind, n, dtype, src) makes host state. Returns
-        the frozen parameters that the compute dtype changes."""
-        self.flat, mine, n = full.to(plan.dtype), full[self.lo:self.hi], self.hi - self.lo
+        """The buffers from `full`, the fp32 values (or the frozen ones' own); state(kind, n, dtype, src) makes
+        host state. Returns the frozen parameters that the compute dtype changes."""
+        self.flat, mine, n = full.to(self.dtype), full[self.lo:self.hi], self.hi - self.lo
         for p, o in zip(self.params, self.offsets):
             p.data = self.flat[o:o + p.numel()].view(p.shape)
         self.owned = self.flat[self.lo:self.hi]
         if plan.shards_params:
-            self.owned = self.shard = None if not self.trainable and plan.frozen_fp32 else self.owned.clone()
+            self.owned = self.shard = None if self.cast else self.owned.clone()
         if self.trainable:
             self.state = dict(master=self.owned if plan.master_is_param else state("master", n, src=mine),
                               exp_avg=state("exp_avg", n), exp_avg_sq=state("exp_avg_sq", n))
@@ -610,9 +715,9 @@ class Flat:
             if plan.pin:
                 self.staging = state("staging", n, plan.dtype)
         else:                               # frozen fp32: exact, cast when gathered
-            self.state = dict(master=mine.clone() if plan.frozen_fp32 else self.owned)
+            self.state = dict(master=mine.clone() if self.cast else self.owned)
         self.out = None if self.state["master"] is self.owned else self.owned
-        return [] if self.trainable or plan.frozen_fp32 else [
+        return [] if self.trainable or self.cast or not self.dtype.is_floating_point else [
             n for n, p, o in zip(self.names, self.params, self.offsets)
             if not torch.equal(full[o:o + p.numel()], self.flat[o:o + p.numel()].float())]
 
@@ -675,6 +780,8 @@ class Unit:
         for f in self.flats if self.plan.shards_params else ():
             self.net.hold(-f.flat.untyped_storage().nbytes())
             f.flat.untyped_storage().resize_(0)
+        if torch.is_autocast_enabled(self.plan.device.type):
+            torch.clear_autocast_cache()    # its casts of these weights would answer for them once freed
         self.phase = FREED
         self.mark(True)
 
@@ -764,6 +871,7 @@ class Unit:
 
     def update(self, mult, runs, d2h=None):
         # AdamW on the owned slice; no collective (offload: on its thread; the next forward gathers)
+        assert self.phase == FREED or not self.plan.shards_params, f"{self.name} is whole across an update"
         f, st = self.train, self.train.state
         for event in (d2h, self.h2d):       # the gradient on the host; last copy out of staging done
             if event is not None:
@@ -844,12 +952,7 @@ class _Sharded(nn.Parameter):
             sched = t._zero_owner[0]() if type(t) is _Sharded else None
             if sched is None:               # its engine was dropped: the plain tensor it is
                 continue
-            if sched.depth == 0:
-                raise RuntimeError(f"zero: '{t._zero_name}' was read outside the model's forward, where its "
-                                   "unit is not gathered: read weights from engine.full_state_dict()")
-            unit = sched.units[t._zero_owner[1]]
-            unit.hold()
-            unit.unshard().mark(False)
+            sched.read_outside(sched.units[t._zero_owner[1]], t._zero_name)
         return _PLAIN(func, types, args, kwargs or {})
 
 
@@ -949,6 +1052,39 @@ class Schedule:
         self.arrange(segments[:-1] or segments, without, {i for _, k, _ in every for i in k})
         self.learned = True
 
+    def read_outside(self, u, name):
+        """A parameter of u read where u is not gathered (outside its block). In the first forward, which every
+        rank runs alike, u is gathered and kept whole from then on; later, gathering it here would be this
+        rank's collective alone (a hang, or a wrong pairing): refused."""
+        if self.depth == 0:
+            raise RuntimeError(f"zero: '{name}' was read outside the model's forward, where its unit is not "
+                               "gathered: read weights from engine.full_state_dict()")
+        if self.checked:
+            raise RuntimeError(f"zero: '{name}' was read outside its block '{u.name}' after the first forward, "
+                               "which did not read it so: gathering it now would be this rank's collective "
+                               "alone. Read it in every forward from the first, or pass zero.Zero(..., "
+                               "units=[...]) without its block")
+        u.hold()
+        u.unshard().mark(False)
+
+    def alone(self, u, what):
+        """u gathered outside the walk (called out of turn, or more often than its places). Before the first
+        backward learned the order every rank does the same; after it, where u is not whole, the gather would
+        be this rank's alone: refused by name."""
+        if self.learned and u.phase != WHOLE:
+            raise RuntimeError(f"zero: '{u.name}' was {what} than in the first step, which gathering it would "
+                               "make this rank's collective alone: call the blocks as in the first step")
+        u.unshard()
+
+    def before_update(self):
+        """Nothing is whole across an update, which the step relies on: a forward nobody backwarded (a loss for
+        a log line) left its root and kept units whole with the weights the update is about to change; they
+        are freed (stage 3), and its calls forgotten."""
+        self.calls, self.segments = [], 0
+        for u in self.units if self.plan.shards_params else ():
+            if u.phase != FREED:
+                u.unshard().reshard()       # (a gather in flight finishes first)
+
     def agree_keep(self, keep):
         # units whose parameters escaped on a rank since the last agreement: whole, reduced last, from now on
         if self.learned and not keep <= self.keep:
@@ -1026,15 +1162,19 @@ class Schedule:
         if self.last_ran is not None:       # a block called on its own since the last forward
             self.last_ran.release()
         # a forward without a backward to come (evaluation, a metric, a teacher) walks the first segment,
-        # leaving the training walk where it was; one past the schedule's last segment walks nothing
+        # leaving the training walk where it was. One past the learned segments follows forwards nobody
+        # backwarded (a loss for a log line, a refused loss.backward()): it walks them again from the first
         s, b = self.segments if grad else 0, [0, *self.ends]
+        if self.learned:
+            s %= len(self.segs)
         self.walk, self.pos, self.end = s, b[min(s, len(b) - 1)], b[min(s + 1, len(b) - 1)]
         self.count, self.last_ran = collections.Counter(), None
         self.segments += grad
-        # the root and escaped units stay whole through the backward; in the first forward the others are
+        # the root and the units the ranks agree to keep stay whole through the backward (a unit kept on this
+        # rank alone is gathered in its turn, as the others gather it); in the first forward the others are
         # _Sharded while they do not run, so that a parameter used out of its block is seen (see _Sharded)
         for u in self.units:
-            if u.is_root or u.keep:
+            if u.is_root or u.index in self.keep:
                 u.unshard()
             elif not self.checked:
                 u.mark(True)
@@ -1065,8 +1205,18 @@ class Schedule:
             self.last_ran.release()         # freed once another unit starts: a unit run twice in a row stays
         key = None if self.walk is None else (self.walk, self.count[u.index], u.index)   # None: called alone
         self.count[u.index] += 1
+        if self.plan.shards_params and self.plan.dtype == torch.float32 and torch.is_grad_enabled() and \
+                torch.is_autocast_enabled(self.plan.device.type):
+            raise RuntimeError("zero: torch.autocast around a stage-3 forward in fp32 keeps a 16-bit copy of "
+                               "every weight it gathers until the backward (the whole model): drop the autocast "
+                               "and use Config(dtype='bf16') (16-bit compute on fp32 masters, as autocast's)")
         j = self.node.get(key)              # out of turn (called more often, or its place passed): alone
-        self.forward_to(j) if j is not None and self.pos <= j < self.end else u.unshard()
+        if j is not None and self.pos <= j < self.end:
+            self.forward_to(j)
+        elif key is None:                   # a block the script calls on its own, as every rank does
+            u.unshard()
+        else:
+            self.alone(u, "called in a forward more often, or in another order,")
         u.mark(False)
         self.last_ran, u.call = u, key
         self.ran.append(u.index)
@@ -1111,8 +1261,10 @@ class Schedule:
         k = self.bpos.get(self.node.get(key))
         if k is not None and k >= self.done:
             self.backward_to(k if start else k + 1, gather=start)
-        elif start:
+        elif start and key is None:
             u.unshard()
+        elif start:
+            self.alone(u, "backwarded more often, or in another order,")
 
     def on_grad(self, u, i, p):
         if p.grad is None:
@@ -1306,9 +1458,12 @@ class Zero:
         unit_of, self.units = {}, []
         for m, ps in zip(unit_modules + [self.module], members):
             # trainable and frozen parameters in flat buffers of their own: frozen ones are never reduced
-            split = {tr: [x for x in ps if x[1].requires_grad == tr] for tr in (True, False)}
-            flats = [Flat(part, tr, plan, plan.shards_params or (tr and plan.shards_optim))
-                     for tr, part in split.items() if part]
+            # frozen ones that are not floats (a quantized base's int8) in buffers of their own dtype
+            split = {(True, None): [], (False, None): []}
+            for n, p in ps:
+                split.setdefault((p.requires_grad, None if p.is_floating_point() else p.dtype), []).append((n, p))
+            flats = [Flat(part, tr, plan, plan.shards_params or (tr and plan.shards_optim), dtype)
+                     for (tr, dtype), part in split.items() if part]
             if flats:                       # a block without parameters is no unit
                 self.units.append(Unit(len(self.units), m, self.names.get(id(m)) or "root", flats, plan, net,
                                        m is self.module))
@@ -1354,7 +1509,7 @@ class Zero:
     def _check_ranks_agree(self):
         # ranks that disagree on the config or model would hang in mismatched collectives: say what differs
         c = self.cfg
-        layout = ";".join(f"{u.index}:{n}:{tuple(p.shape)}:{f.group[i]}:{f.trainable}" for u in self.units
+        layout = ";".join(f"{u.index}:{n}:{tuple(p.shape)}:{f.group[i]}:{f.trainable}:{f.dtype}" for u in self.units
                           for f in u.flats for i, (n, p) in enumerate(zip(f.names, f.params))).encode()
         mine = dict(stage=c.stage, dtype=c.dtype, accum_steps=c.accum_steps, offload=c.offload,
                     units=len(self.units), params=sum(f.numel for u in self.units for f in u.flats),
@@ -1422,7 +1577,7 @@ class Zero:
         # values the compute dtype changes
         rounded = []
         for f in u.flats:
-            full = torch.zeros(f.padded, dtype=torch.float32, device=self.device)
+            full = torch.zeros(f.padded, dtype=_wide(f.dtype), device=self.device)
             for n, p, o in zip(f.names, f.params, f.offsets):
                 full[o:o + p.numel()].copy_(p.detach().reshape(-1))
                 p._zero_name, p._zero_owner = n, (weakref.ref(self.sched), u.index)
@@ -1593,6 +1748,7 @@ class Zero:
         mult = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) / (self.scaler.scale * plan.divide[1])
         self.step_count += 1
         self.scaler.update(overflow=False)
+        self.sched.before_update()
         # the groups' hyperparameters as they are now (schedulers set them); a parameter without a gradient
         # on any rank is left untouched, its step count too, as torch's AdamW does
         hyper = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.optimizer.param_groups]
@@ -1700,15 +1856,15 @@ class Zero:
         self.settle()
         keep, values = not rank0_only or self.rank == 0, {}
         for f in (f for u in self.units for f in u.flats):
-            full = f.state["master"].to(self.device, torch.float32)   # full precision where there is a master
+            full = f.state["master"].to(self.device, _wide(f.dtype))   # full precision where there is a master
             if f.hi - f.lo < f.padded:      # not whole here (stage 0 and frozen ones at stages 0-2 are)
-                mine, full = full, torch.empty(f.padded, dtype=torch.float32, device=self.device)
+                mine, full = full, torch.empty(f.padded, dtype=full.dtype, device=self.device)
                 self.net.all_gather(full, mine, kind="state_dict")   # its own kind: not training traffic
             for p, o in zip(f.params, f.offsets) if keep else ():
                 values[id(p)] = full[o:o + p.numel()].view(p.shape).to("cpu", copy=True)
             del full
         return {k: values[id(t)] if id(t) in values else    # the model's own keys: tied names, buffers
-                t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype, copy=True)
+                t.detach().to("cpu", _wide(t.dtype), copy=True)
                 for k, t in (_model_state(self.module).items() if keep else ())}
 
     def load_state_dict(self, state_dict, strict=True):
@@ -1818,6 +1974,11 @@ def _pinned(block):
         v = next((v for v in ("12", "13", "11") if torch.version.cuda.startswith(v)), None)
         ctypes.CDLL("libcudart.so" + (f".{v}" if v else "")).cudaGetLastError()
     return block.pin_memory()
+
+
+def _wide(dtype):
+    # what a value is exported and rebuilt in: fp32 for floats, its own dtype for the rest (never cast)
+    return torch.float32 if dtype.is_floating_point else dtype
 
 
 def _post_order(module, stop):
@@ -2032,7 +2193,7 @@ def _restore(engine, prepare, what, filled=None):
         read, extra = prepare()
         for f in (f for u in engine.units for f in u.flats):
             # a slice read() does not have keeps its value; a moment starts at zero
-            st = {k: v.to("cpu", torch.float32, copy=True) if k == "master" else torch.zeros(v.shape)
+            st = {k: v.to("cpu", _wide(v.dtype), copy=True) if k == "master" else torch.zeros(v.shape)
                   for k, v in f.state.items()}
             for a, b, i in f.segments:
                 for k in st:
@@ -2040,7 +2201,7 @@ def _restore(engine, prepare, what, filled=None):
                     if piece is not None:
                         st[k][a:b] = piece
                         # a frozen value the compute dtype cannot hold exactly: the caller warns
-                        if not f.trainable and not engine.plan.frozen_fp32 and \
+                        if not f.trainable and not f.cast and f.dtype.is_floating_point and \
                                 not torch.equal(piece.float(), piece.to(engine.dtype).float()):
                             rounded.append(f.names[i])
             new.append((f, st))
@@ -2073,10 +2234,10 @@ def consolidate(path):
     """A sharded checkpoint as one plain fp32 state_dict that the unwrapped model loads; memory holds the
     result and the rank files' memory maps, nothing else."""
     f = _Files(path, (0, 1))
-    values = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in f(0)["buffers"].items()}
+    values = {k: v.to(_wide(v.dtype), copy=True) for k, v in f(0)["buffers"].items()}
     for p in (p for x in f.meta["flats"] for p in x["params"]):   # each from its slices in the rank files
-        values.update(dict.fromkeys(p["aliases"], f.read(p["name"], 0, math.prod(p["shape"]), "master")
-                                    .float().clone().view(p["shape"])))
+        t = f.read(p["name"], 0, math.prod(p["shape"]), "master")
+        values.update(dict.fromkeys(p["aliases"], t.to(_wide(t.dtype), copy=True).view(p["shape"])))
     return {k: values[k] for k in f.meta["state_dict_keys"]}
 
 

@@ -37,6 +37,13 @@ _DTYPE_NAMES = {**{k: k for k in DTYPES}, "float32": "fp32", "bfloat16": "bf16",
                 **{v: k for k, v in DTYPES.items()}}
 
 
+def _dtype_name(x):
+    # zero's name of a dtype given by zero's name, torch's name or a torch.dtype; None for anything else
+    if isinstance(x, (str, torch.dtype)):
+        return _DTYPE_NAMES.get(x)
+    return None
+
+
 @dataclasses.dataclass
 class Config:
     stage: int = 2                  # 0 plain DP | 1 shard optimizer states | 2 + gradients | 3 + parameters
@@ -62,32 +69,34 @@ class Config:
     check_calls: bool = False       # check each call across ranks (or TORCH_DISTRIBUTED_DEBUG=DETAIL)
 
     def validate(self):
-        name = lambda x: _DTYPE_NAMES.get(x) if isinstance(x, (str, torch.dtype)) else None   # noqa: E731
-        s, d, a, k, g, b = (self.stage, name(self.dtype), self.accum_steps, self.checkpoint, self.shard_group,
-                            self.betas)
+        """A ValueError naming the fix for the first bad field; dtypes by zero's names from here on."""
+        dtype, stage, k, g = _dtype_name(self.dtype), self.stage, self.checkpoint, self.shard_group
         extra = {f: getattr(self, f) or "" for f in ("reduce_dtype", "frozen_dtype")}
         for bad, what in (
-                (s not in (0, 1, 2, 3), f"stage={s!r}: use 0 (plain DP), 1, 2 or 3"),
-                (d is None, f"dtype={self.dtype!r}: use one of {list(DTYPES)}, or torch's names"),
-                (any(v and name(v) not in ("fp32", d) for v in extra.values()), f'{extra}: use "" or "fp32"'),
-                (not (isinstance(a, int) and a >= 1), f"accum_steps={a!r}: use an integer >= 1"),
+                (stage not in (0, 1, 2, 3), f"stage={stage!r}: use 0 (plain DP), 1, 2 or 3"),
+                (dtype is None, f"dtype={self.dtype!r}: use one of {list(DTYPES)}, or torch's names"),
+                (any(v and _dtype_name(v) not in ("fp32", dtype) for v in extra.values()),
+                 f'{extra}: use "" or "fp32"'),
+                (not (isinstance(self.accum_steps, int) and self.accum_steps >= 1),
+                 f"accum_steps={self.accum_steps!r}: use an integer >= 1"),
                 (not isinstance(k, bool) and not (isinstance(k, int) and k >= 1),
                  f"checkpoint={k!r}: use False, True, or k >= 1 (every k-th unit)"),
-                (self.offload and s == 0, "offload=True needs stage 1, 2 or 3"),
+                (self.offload and stage == 0, "offload=True needs stage 1, 2 or 3"),
                 (not (self.lr >= 0 and self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0),
                  "lr, weight_decay and grad_clip must be >= 0, eps > 0"),
-                (len(b) != 2 or not all(0 <= x < 1 for x in b), f"betas={b!r}: use two numbers in [0, 1)"),
+                (len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas),
+                 f"betas={self.betas!r}: use two numbers in [0, 1)"),
                 (self.hysteresis < 1 or self.loss_scale_window < 1 or self.min_loss_scale <= 0,
                  "hysteresis and loss_scale_window must be >= 1, min_loss_scale > 0"),
-                (not (isinstance(g, int) and g >= 0) or (s == 0 and g),
-                 f"shard_group={g!r} at stage {s}: use 0 (all ranks), or k ranks at stages 1-3"),
+                (not (isinstance(g, int) and g >= 0) or (stage == 0 and g),
+                 f"shard_group={g!r} at stage {stage}: use 0 (all ranks), or k ranks at stages 1-3"),
                 (self.timeout_s <= 0 or self.waits not in ("auto", "nccl", "gloo"),
                  f"timeout_s={self.timeout_s!r}, waits={self.waits!r}: use seconds > 0; auto, nccl or gloo")):
             if bad:
                 raise ValueError(f"zero.Config: {what}")
-        self.dtype = d
-        for f, v in extra.items():          # "", or the compute dtype itself: nothing extra
-            setattr(self, f, "fp32" if v and name(v) != d else "")
+        self.dtype = dtype
+        for f, v in extra.items():          # "fp32", or "": the compute dtype (given by its name too)
+            setattr(self, f, "fp32" if v and _dtype_name(v) != dtype else "")
         return self
 
 
@@ -99,13 +108,15 @@ class Plan:
 
       stage  parameters          gradients                        master + Adam   bytes per rank
       0      whole               whole, all-reduced in backward   whole           (2 + 2 + K) Ψ
-      1      whole               whole, reduce-scattered at step  sharded         4Ψ + KΨ/N
-      2      whole               reduce-scattered in backward     sharded         2Ψ + (2 + K)Ψ/N
-      3      gathered per unit   reduce-scattered in backward     sharded         (2 + 2 + K)Ψ/N
+      1      whole               whole, reduce-scattered          sharded         4Ψ + KΨ/N
+      2      whole               reduce-scattered, then freed     sharded         2Ψ + (2 + K)Ψ/N
+      3      gathered per unit   reduce-scattered, then freed     sharded         (2 + 2 + K)Ψ/N
 
-    Frozen parameters (no gradient, no optimizer state) are whole at stages 0-2, sharded at stage 3."""
+    When a unit's gradient is reduced follows from shards_grads: in every micro-batch's backward where the
+    whole gradient is freed after it (2-3), else in the last micro-batch's (0-1). Frozen parameters (no
+    gradient, no optimizer state) are whole at stages 0-2, sharded at stage 3."""
     shards_optim: bool              # fp32 master and Adam moments: this rank's shard (stages 1-3)
-    shards_grads: bool              # gradients reduce-scattered in backward, the whole ones freed (2-3)
+    shards_grads: bool              # gradients reduce-scattered in each backward, the whole ones freed (2-3)
     shards_params: bool             # parameters gathered per unit for each use, freed after (3)
     regathers: bool                 # whole parameters: updated slices all-gathered after an update (1-2)
     gathers_lazily: bool            # forwards gather (stage 3; offload: the slices the host update wrote)
@@ -126,14 +137,15 @@ class Plan:
 
     @staticmethod
     def of(cfg, net):
-        s, dtype, off = cfg.stage, DTYPES[cfg.dtype], cfg.offload
-        return Plan(shards_optim=s >= 1, shards_grads=s >= 2, shards_params=s == 3, regathers=s in (1, 2),
-                    gathers_lazily=s == 3 or off, offload=off, pin=off and net.device.type == "cuda",
-                    master_is_param=dtype == torch.float32 and not off, frozen_fp32=bool(cfg.frozen_dtype),
-                    prefetch=cfg.prefetch, accum=cfg.accum_steps, dtype=dtype, device=net.device,
-                    grad_dtype=torch.float32 if cfg.reduce_dtype else dtype, replicas=net.replicas,
-                    host=torch.device("cpu") if off else net.device, shards=net.shards if s else net.world,
-                    shard_rank=net.shard_rank if s else net.rank,
+        stage, dtype = cfg.stage, DTYPES[cfg.dtype]
+        return Plan(shards_optim=stage >= 1, shards_grads=stage >= 2, shards_params=stage == 3,
+                    regathers=stage in (1, 2), gathers_lazily=stage == 3 or cfg.offload, offload=cfg.offload,
+                    pin=cfg.offload and net.device.type == "cuda",
+                    master_is_param=dtype == torch.float32 and not cfg.offload,
+                    frozen_fp32=bool(cfg.frozen_dtype), prefetch=cfg.prefetch, accum=cfg.accum_steps,
+                    dtype=dtype, grad_dtype=DTYPES[cfg.reduce_dtype or cfg.dtype], device=net.device,
+                    host=torch.device("cpu") if cfg.offload else net.device, replicas=net.replicas,
+                    shards=net.shards, shard_rank=net.shard_rank,
                     divide=divide_factors(net.world * cfg.accum_steps))
 
 
@@ -155,10 +167,9 @@ def init_distributed(timeout_s=300.0):
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    # a process shown one GPU (CUDA_VISIBLE_DEVICES per rank) takes that one
-    device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
+    device = torch.device("cpu")
+    if cuda:                                # a process shown one GPU (CUDA_VISIBLE_DEVICES per rank) takes it
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)       # before NCCL starts, or every rank talks through GPU 0
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
@@ -169,7 +180,8 @@ def init_distributed(timeout_s=300.0):
 # torch 2.13's names (>= 2.4 has the old ones); looked up at each call, so that a test can wrap them
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_reduce, _broadcast = dist.all_reduce, dist.broadcast
+_all_reduce = dist.all_reduce
+_broadcast = dist.broadcast
 
 
 def _reduce_scatter(out, inp, group=None, async_op=True):
@@ -178,76 +190,77 @@ def _reduce_scatter(out, inp, group=None, async_op=True):
     if inp.is_cpu:
         return dist.all_reduce(inp, group=group, async_op=async_op)
     return _torch_reduce_scatter(out, inp, group=group, async_op=async_op)
-_GROUPS = {}   # (ranks, purpose, world, timeout) -> process group, made once per process, shared by engines
-_SERIALS = {}  # ranks -> a counter of the engines made on them, the same on each
-POLL_S = 1.0    # a wait this long compares the ranks' calls through the store (a call one rank made alone)
+
+
+_GROUPS = {}    # (ranks, purpose, world, timeout) -> process group, made once per process, shared by engines
+_SERIALS = {}   # ranks -> a counter of the engines made on them, the same on each
+POLL_S = 1.0    # a CPU wait this long compares the ranks' calls through the store (a call one rank made alone)
 RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls a script may make on one rank only
 CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
 EVERY_RANK = ("every rank calls forward (stage 3 or offload), backward, step, full_state_dict, "
               "load_state_dict, save and load together (HF generate() at stage 3: synced_gpus=True)")
 
 
-def fingerprint(trace):
-    """A step's collectives and calls as 4 integers of 12 bits: summed over N ranks with their squares in
-    fp64, all ranks agree iff N * sum(c^2) == sum(c)^2 for each, exactly while N < 2^29."""
-    h = int.from_bytes(hashlib.blake2b(repr(trace).encode(), digest_size=6).digest(), "little")
+def fingerprint(key):
+    """Any value's repr as 4 integers of 12 bits: summed over N ranks with their squares in fp64, all ranks
+    agree iff N * sum(c^2) == sum(c)^2 for each, exactly while N < 2^29."""
+    h = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=6).digest(), "little")
     return [(h >> (12 * i)) & 0xFFF for i in range(4)]
+
+
+def _device_of(group):
+    # NCCL ranks compute on their GPU, gloo ranks on the CPU (the backend config of a group made without a
+    # backend says which the GPU's tensors take)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if group is not None:
+        conf = str(dist.get_backend_config(group)) if hasattr(dist, "get_backend_config") else ""
+        if "nccl" not in conf + str(dist.get_backend(group)):
+            return torch.device("cpu")
+    want = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())) % torch.cuda.device_count()
+    if torch.cuda.current_device() != want:
+        raise RuntimeError(f"zero: the current CUDA device is not LOCAL_RANK's: call "
+                           f"torch.cuda.set_device({want}) first (zero.init_distributed does)")
+    return torch.device("cuda", want)
 
 
 class Comm:
     """The engine's process groups, made with timeout_s: `shard` (gathers and reductions on one communicator,
     as FSDP2: one order, trivially), `replica` (hybrid: the reduced shard summed across shard groups), `world`
     (the step's all-reduce, the setup, objects; the shard group without hybrid). Launches are asynchronous,
-    counted in the ledger as a ring sends them and traced for the fingerprint."""
+    counted in the ledger as a ring sends them and traced for the step's agreement. The ranks agree through
+    agree() (one all-reduce, an explanation only where they differ) and, for a call one rank may make alone,
+    through the store (call())."""
 
     def __init__(self, cfg, group=None):
+        up = dist.is_available() and dist.is_initialized()
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        self.ledger, self.trace, self.held, self.peak = {}, [], 0, 0    # held, peak: parameter buffer bytes
+        self.ledger = {}                    # kind -> (calls, elements, bytes) since the last step
+        self.trace = []                     # (kind, unit) of every launch and call since the last step
+        self.held = 0                       # bytes of parameter buffers allocated now ...
+        self.peak = 0                       # ... and at most
         self.calls = collections.Counter()  # this rank's calls (forward, backward, step, ...) by name
         self.log = collections.deque(maxlen=64)   # the last of them, (n, name): the n-th call made
         self.posted = 0                     # the n of the last call this rank posted to the store (a long wait)
         self.check_calls = cfg.check_calls or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
-        up = dist.is_available() and dist.is_initialized()
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if up else [0]
-        self.world, self.rank = len(self.ranks), self.ranks.index(dist.get_rank()) if up else 0
-        # NCCL ranks compute on their GPU, gloo ranks on the CPU (the backend config of a group made without a
-        # backend says which the GPU's tensors take)
-        pg, self.device = group or dist.group.WORLD if up else None, torch.device("cpu")
-        conf = str(dist.get_backend_config(pg)) if pg is not None and hasattr(dist, "get_backend_config") \
-            else ""
-        if torch.cuda.is_available() and (pg is None or "nccl" in conf + str(dist.get_backend(pg))):
-            want = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())) % torch.cuda.device_count()
-            if torch.cuda.current_device() != want:
-                raise RuntimeError(f"zero: the current CUDA device is not LOCAL_RANK's: call "
-                                   f"torch.cuda.set_device({want}) first (zero.init_distributed does)")
-            self.device = torch.device("cuda", want)
+        self.world = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank()) if up else 0
+        self.device = _device_of((group or dist.group.WORLD) if up else None)
         # NCCL's untimed wait orders streams and lets the CPU run ahead; gloo's blocks the CPU, with a timeout
-        self.stream_waits = self.device.type == "cuda" if cfg.waits == "auto" else cfg.waits == "nccl"
-        k = (cfg.shard_group if cfg.stage else 0) or self.world
+        self.stream_waits = cfg.waits == "nccl" or cfg.waits == "auto" and self.device.type == "cuda"
+        k = cfg.shard_group or self.world  # (stage 0: 0, all ranks)
         if self.world % k:
             raise ValueError(f"zero.Config: shard_group={k} does not divide the {self.world} ranks; "
                              "use a divisor")
-        # NCCL splits sub-groups from a device-bound default group, which all its ranks must join
-        bound = group is not None and getattr(dist.group.WORLD, "bound_device_id", None) is not None
-        if bound and k < self.world:
-            raise ValueError("zero.Zero: hybrid sharding on group= under init_process_group(device_id=...): "
-                             "init without device_id, or pass no group")
-        # shard groups: k consecutive ranks, one copy of the model states; replica groups: one rank of each
-        self.shards, self.replicas, (self.replica, self.shard_rank) = k, self.world // k, divmod(self.rank, k)
-        hybrid, self.groups = k < self.world, {}
-        for purpose, sets in (("shard", [self.ranks[i:i + k] for i in range(0, self.world, k)]),
-                              ("replica", [self.ranks[j::k] for j in range(k)] if hybrid else []),
-                              ("world", [self.ranks] if hybrid else [])):
-            for s in sets:                  # new_group is collective: every rank makes each, in order
-                key = (tuple(s), purpose, id(dist.group.WORLD), cfg.timeout_s)
-                if len(s) > 1 and key not in _GROUPS and not bound:
-                    _GROUPS[key] = dist.new_group(list(s), timeout=self.timeout,
-                                                  use_local_synchronization=group is not None)
-                if self.ranks[self.rank] in s:      # bound: the user's group itself
-                    self.groups[purpose] = (group if bound and len(s) > 1 else _GROUPS.get(key), len(s))
-        self.groups.setdefault("world", self.groups["shard"])
-        serial = _SERIALS.setdefault(tuple(self.ranks), itertools.count())
-        self.prefix, self.store = f"zero/{'-'.join(map(str, self.ranks))[:64]}/{next(serial)}", None
+        self.shards = k                     # shard groups: k consecutive ranks, one copy of the model states
+        self.replicas = self.world // k     # replica groups: one rank of each shard group
+        self.replica = self.rank // k       # this rank's shard group ...
+        self.shard_rank = self.rank % k     # ... and its place in it
+        self.groups = self._make_groups(group, cfg.timeout_s)   # purpose -> (process group, size)
+        self.prefix = f"zero/{'-'.join(map(str, self.ranks))[:64]}/" \
+                      f"{next(_SERIALS.setdefault(tuple(self.ranks), itertools.count()))}"   # store keys
+        self.store = None                   # the default group's store, where calls are checked
         if self.world > 1:
             with contextlib.suppress(Exception):
                 self.store = dist.distributed_c10d._get_default_store()
@@ -255,11 +268,33 @@ class Comm:
             for pg in {id(g): g for g, n in self.groups.values() if n > 1}.values():   # (None: one rank)
                 self.wait(_all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True))
 
+    def _make_groups(self, group, timeout_s):
+        # NCCL splits sub-groups from a device-bound default group, which all its ranks must join
+        k, hybrid = self.shards, self.shards < self.world
+        bound = group is not None and getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        if bound and hybrid:
+            raise ValueError("zero.Zero: hybrid sharding on group= under init_process_group(device_id=...): "
+                             "init without device_id, or pass no group")
+        sets = {"shard": [self.ranks[i:i + k] for i in range(0, self.world, k)]}
+        if hybrid:
+            sets.update(replica=[self.ranks[j::k] for j in range(k)], world=[self.ranks])
+        groups = {}
+        for purpose, members in sets.items():
+            for s in members:               # new_group is collective: every rank makes each, in order
+                key = (tuple(s), purpose, id(dist.group.WORLD), timeout_s)
+                if len(s) > 1 and key not in _GROUPS and not bound:
+                    _GROUPS[key] = dist.new_group(list(s), timeout=self.timeout,
+                                                  use_local_synchronization=group is not None)
+                if self.ranks[self.rank] in s:      # bound: the user's group itself
+                    groups[purpose] = (group if bound and len(s) > 1 else _GROUPS.get(key), len(s))
+        groups.setdefault("world", groups["shard"])
+        return groups
+
     def count(self, kind, elems, elem_size):
         calls, e, b = self.ledger.get(kind, (0, 0, 0))
         self.ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
 
-    def hold(self, nbytes):                 # parameter buffer bytes allocated (> 0) or freed (< 0)
+    def count_held(self, nbytes):           # parameter buffer bytes allocated (> 0) or freed (< 0)
         self.held += nbytes
         self.peak = max(self.peak, self.held)
 
@@ -267,7 +302,8 @@ class Comm:
         """The collective done: on NCCL the stream waits and the CPU goes on, unless `cpu` (its values are read
         next); elsewhere the CPU waits, in slices that compare the ranks' calls (see until). A failure, a dead
         or a stalled rank (the group's timeout ends the collective) becomes this error."""
-        error, why = work if isinstance(work, Exception) else None, None
+        error = work if isinstance(work, Exception) else None
+        why = None                          # "": the timeout; else how the ranks' calls differ
         try:
             if work is None or error is not None:
                 pass
@@ -290,9 +326,9 @@ class Comm:
 
     def until(self, done):
         """Wait for done(seconds) -> finished within them, up to timeout_s, in slices of POLL_S: after each the
-        calls this rank made are posted to the store and the first two ranks' read, so that ranks whose n-th
-        calls differ (one made a call alone) learn it in seconds, whatever timeout_s is. Returns None when
-        done, "" at the timeout, else how the calls differ. A wait shorter than POLL_S touches no store."""
+        calls this rank made are posted to the store and ranks 0 and 1's read, so that ranks whose n-th calls
+        differ (one made a call alone) learn it in seconds, whatever timeout_s is. Returns None when done, ""
+        at the timeout, else how the calls differ. A wait shorter than POLL_S touches no store."""
         end = time.monotonic() + self.timeout.total_seconds()
         while not done(min(POLL_S, max(end - time.monotonic(), 0.01))):
             if time.monotonic() >= end:
@@ -300,34 +336,6 @@ class Comm:
             differ = self.compare()
             if differ is not None:
                 return differ
-        return None
-
-    def post(self):
-        # this rank's counts and last calls, where the others read them (a long wait, an error's report)
-        if self.store is not None and self.posted != sum(self.calls.values()):
-            self.store.set(f"{self.prefix}/last/{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
-            self.posted = sum(self.calls.values())
-
-    def read(self, r):
-        # what rank r posted, or None
-        key = f"{self.prefix}/last/{r}"
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
-
-    def compare(self):
-        # this rank's calls against those ranks 0 and 1 posted (whoever made a call alone waits, or makes others
-        # wait, with one of them): the first n-th call that differs, with both ranks' counts, or None
-        if self.store is None:
-            return None
-        with contextlib.suppress(Exception):    # the store gone (its host rank died): nothing more to learn
-            self.post()
-            mine = dict(self.log)
-            for r in {0, 1} - {self.rank}:
-                theirs = self.read(r)
-                for n, what in theirs[1] if theirs else ():
-                    if n in mine and mine[n] != what:
-                        more = _more_calls({self.rank: self.calls, r: theirs[0]})
-                        lo, hi = sorted([(self.rank, mine[n]), (r, what)])
-                        return "; ".join(more + [f"rank {lo[0]}: {lo[1]}() #{n}, rank {hi[0]}: {hi[1]}() #{n}"])
         return None
 
     def _launch(self, collective, purpose, kind, t, ring, tag, sync, *tensors):
@@ -339,7 +347,9 @@ class Comm:
                 tensors[0].copy_(tensors[1])
             return None
         work = collective(*tensors, group=pg, async_op=True)
-        return self.wait(work, cpu=True) if sync else work
+        if sync:
+            return self.wait(work, cpu=True)
+        return work
 
     def all_reduce(self, t, purpose="world", kind="scalar", sync=True, tag=None):
         return self._launch(_all_reduce, purpose, kind, t, 2, tag, sync, t)
@@ -355,13 +365,6 @@ class Comm:
         if n > 1:
             self.wait(_broadcast(t, self.ranks[0], group=pg, async_op=True))
 
-    def same(self, h):                      # every rank's integer h (< 2^62) the same? MAX of h and of -h
-        pg, n = self.groups["world"]
-        t = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
-        if n > 1:
-            self.wait(_all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True), cpu=True)
-        return bool(t[0] == -t[1])
-
     def all_gather_object(self, obj):       # Python objects (the setup's, the first backward's, a save's)
         out = [obj] * self.world
         if self.world > 1:
@@ -371,10 +374,26 @@ class Comm:
                 self.wait(e)
         return out
 
-    def agree(self, what, check=False):
-        """A collective-taking call, counted in the fingerprint. RARE ones, those after evaluation forwards
-        (`check`) and, with check_calls, all are first checked through the store, each rank counting itself in
-        at key n: a collective made on one rank alone would pair with another's (gloo aborts, NCCL hangs)."""
+    def agree(self, key, explain, extra=None):
+        """The ranks' one primitive of agreement (the setup's config, the step, a load): `key`'s fingerprint
+        and its squares summed in one fp64 all-reduce, beside `extra` (a float64 tensor on the device, whose
+        sums come back). Where some rank's key differs, every rank's explain() is gathered too, for the caller
+        to say who differs; else that list is None."""
+        digits = fingerprint(key)
+        head = torch.tensor(digits + [d * d for d in digits], dtype=torch.float64)
+        if self.device.type == "cuda":      # one host-to-device copy, behind the work queued so far
+            head = head.pin_memory().to(self.device, non_blocking=True)
+        stats = head if extra is None else torch.cat([head, extra])
+        self.all_reduce(stats, kind="scalar")
+        sums = stats.tolist()
+        if all(a * a == self.world * q for a, q in zip(sums[:4], sums[4:8])):
+            return sums[8:], None
+        return sums[8:], self.all_gather_object(explain())
+
+    def call(self, what, check=False):
+        """A collective-taking call, counted and traced. RARE ones, those after evaluation forwards (`check`)
+        and, with check_calls, all are first checked through the store, each rank counting itself in at key n:
+        a collective made on one rank alone would pair with another's (gloo aborts, NCCL hangs)."""
         self.calls[what] += 1
         n = sum(self.calls.values())
         self.log.append((n, what))
@@ -393,6 +412,36 @@ class Comm:
         if why is not None:
             raise RuntimeError(f"zero: {what}() #{n}: the other ranks did not make this call within "
                                f"{self.timeout} ({self.report()}); {EVERY_RANK}")
+
+    def post(self):
+        # this rank's counts and last calls, where the others read them (a long wait, an error's report)
+        if self.store is not None and self.posted != sum(self.calls.values()):
+            self.store.set(f"{self.prefix}/last/{self.rank}", json.dumps([dict(self.calls), list(self.log)]))
+            self.posted = sum(self.calls.values())
+
+    def read(self, r):
+        # what rank r posted, or None
+        key = f"{self.prefix}/last/{r}"
+        if self.store.check([key]):
+            return json.loads(self.store.get(key))
+        return None
+
+    def compare(self):
+        # this rank's calls against those ranks 0 and 1 posted (whoever made a call alone waits, or makes others
+        # wait, with one of them): the first n-th call that differs, with both ranks' counts, or None
+        if self.store is None:
+            return None
+        with contextlib.suppress(Exception):    # the store gone (its host rank died): nothing more to learn
+            self.post()
+            mine = dict(self.log)
+            for r in {0, 1} - {self.rank}:
+                theirs = self.read(r)
+                for n, what in theirs[1] if theirs else ():
+                    if n in mine and mine[n] != what:
+                        more = _more_calls({self.rank: self.calls, r: theirs[0]})
+                        lo, hi = sorted([(self.rank, mine[n]), (r, what)])
+                        return "; ".join(more + [f"rank {lo[0]}: {lo[1]}() #{n}, rank {hi[0]}: {hi[1]}() #{n}"])
+        return None
 
     def report(self):
         # what each rank called: this rank's counts and last calls posted to the store, the others' read
@@ -466,16 +515,21 @@ class LossScaler:
     def __init__(self, cfg):
         self.enabled = cfg.dtype == "fp16"
         self.scale = cfg.loss_scale if self.enabled else 1.0
-        self.window, self.hysteresis, self.floor = cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale
-        self.clean_steps, self.hysteresis_left = 0, cfg.hysteresis
+        self.window = cfg.loss_scale_window     # clean steps before the scale doubles
+        self.hysteresis = cfg.hysteresis        # overflows tolerated before it starts halving
+        self.floor = cfg.min_loss_scale
+        self.clean_steps = 0                    # since the last change or overflow
+        self.hysteresis_left = cfg.hysteresis
 
-    def update(self, overflow):
+    def adjust(self, overflow):
         if not self.enabled:
             return
         if not overflow:                    # a scale that never grows wastes fp16's range
             self.clean_steps += 1
             if self.clean_steps == self.window:
-                self.scale, self.clean_steps, self.hysteresis_left = self.scale * 2, 0, self.hysteresis
+                self.scale *= 2
+                self.clean_steps = 0
+                self.hysteresis_left = self.hysteresis
             return
         self.clean_steps = 0
         if self.hysteresis_left > 1:        # a lone overflow costs no halving, the next ones do
@@ -490,8 +544,9 @@ class LossScaler:
         return dict(scale=self.scale, clean_steps=self.clean_steps, hysteresis_left=self.hysteresis_left)
 
     def load_state_dict(self, sd):
-        self.scale, self.clean_steps, self.hysteresis_left = (sd[k] for k in ("scale", "clean_steps",
-                                                                               "hysteresis_left"))
+        self.scale = sd["scale"]
+        self.clean_steps = sd["clean_steps"]
+        self.hysteresis_left = sd["hysteresis_left"]
 
 # -----------------------------------------------------------------------------
 # 4. AdamW
@@ -762,7 +817,7 @@ class Unit:
                 st = f.flat.untyped_storage()
                 if self.plan.shards_params and not st.nbytes():
                     st.resize_(f.padded * f.flat.element_size())
-                    self.net.hold(st.nbytes())
+                    self.net.count_held(st.nbytes())
                 src = f.shard if f.shard is not None else f.flat[f.lo:f.hi] if f.trainable else \
                     f.state["master"].to(self.plan.dtype)
                 kind = "all_gather" if f.trainable else "frozen_all_gather"
@@ -778,7 +833,7 @@ class Unit:
     def reshard(self):
         # stage 3: the storage goes back (the views, and autograd's references, stay valid)
         for f in self.flats if self.plan.shards_params else ():
-            self.net.hold(-f.flat.untyped_storage().nbytes())
+            self.net.count_held(-f.flat.untyped_storage().nbytes())
             f.flat.untyped_storage().resize_(0)
         if torch.is_autocast_enabled(self.plan.device.type):
             torch.clear_autocast_cache()    # its casts of these weights would answer for them once freed
@@ -1127,9 +1182,9 @@ class Schedule:
 
     def launch_ready(self, end=False):
         # in launch order, each unit once the backward is past its last place (end: all the rest), as on every
-        # rank; stage 0 all-reduces in the last micro-batch's backward, stage 1 in step(), 2-3 in every one
+        # rank; in every micro-batch's backward where the whole gradients are freed (2-3), else in the last's
         plan = self.plan
-        now = plan.shards_grads or not plan.shards_optim and self.micro == plan.accum - 1
+        now = plan.shards_grads or self.micro == plan.accum - 1
         while now and self.launched < len(self.launch):
             u = self.launch[self.launched]
             if not end and self.last.get(u.index, END) >= self.done:
@@ -1157,7 +1212,7 @@ class Schedule:
             return
         grad = torch.is_grad_enabled()
         if self.plan.gathers_lazily:        # after evaluation forwards: checked that every rank made as many
-            self.net.agree("forward" if grad else "no_grad forward", check=self.evals and grad)
+            self.net.call("forward" if grad else "no_grad forward", check=self.evals and grad)
             self.evals = 0 if grad else self.evals + 1
         if self.last_ran is not None:       # a block called on its own since the last forward
             self.last_ran.release()
@@ -1514,10 +1569,8 @@ class Zero:
         mine = dict(stage=c.stage, dtype=c.dtype, accum_steps=c.accum_steps, offload=c.offload,
                     units=len(self.units), params=sum(f.numel for u in self.units for f in u.flats),
                     layout=zlib.crc32(layout), config=zlib.crc32(repr(dataclasses.asdict(c)).encode()))
-        if self.net.same(zlib.crc32(repr(mine).encode())):
-            return
-        every = self.net.all_gather_object(mine)    # only when they differ: what each rank has
-        for r, row in enumerate(every):
+        _, every = self.net.agree(mine, lambda: mine)   # what each rank has, only where they differ
+        for r, row in enumerate(every or ()):
             diff = [f"{k}: rank 0 has {a}, rank {r} has {row[k]}" for k, a in every[0].items() if a != row[k]]
             if diff:
                 raise ValueError("zero.Zero: ranks disagree (" + "; ".join(diff) + "); launch every rank "
@@ -1583,7 +1636,7 @@ class Zero:
                 p._zero_name, p._zero_owner = n, (weakref.ref(self.sched), u.index)
             self.net.broadcast(full)
             rounded += [n for n in f.build(full, self.plan, self._state) if n not in self.unfilled]
-            self.net.hold(f.flat.untyped_storage().nbytes())
+            self.net.count_held(f.flat.untyped_storage().nbytes())
             del full
         if self.plan.shards_params:
             u.reshard()
@@ -1641,7 +1694,7 @@ class Zero:
                                  "plain mean loss; engine.backward divides by accum_steps itself")
         # every rank calls backward (checked through the store after evaluation forwards); the first learns
         # the units' order; the last step's host update lands before new gradients do
-        self.net.agree("backward", check=s.evals)
+        self.net.call("backward", check=s.evals)
         s.evals = 0
         if not s.learned:
             s.learn()
@@ -1691,9 +1744,7 @@ class Zero:
         if late:
             raise RuntimeError(f"zero: {late} were frozen when zero.Zero wrapped the model and require grad "
                                "now; make them trainable before zero.Zero(model) (and freeze them after)")
-        self.net.agree("step")
-        for u in s.launch if plan.shards_optim and not plan.shards_grads else ():   # stage 1: once, now
-            s.reduce(u)
+        self.net.call("step")
         s.drain()
         self.settle()
         trained = [u for u in self.units if u.train]
@@ -1711,21 +1762,16 @@ class Zero:
         # a copy several ranks hold (stage 0, hybrid replicas) counts once: the others add 0 times theirs (nan
         # if not finite: an overflow anywhere skips everywhere)
         sq *= float((self.net.replica if plan.shards_optim else self.rank) == 0)
-        fp = fingerprint(self.net.trace)
-        host = torch.tensor(fp + [c * c for c in fp] + [u.keep for u in self.units] +
+        host = torch.tensor([u.keep for u in self.units] +
                             [i in u.train.got for u in trained for i in range(len(u.train.params))],
                             dtype=torch.float64)
-        cuda = self.device.type == "cuda"
-        host = (host.pin_memory() if cuda else host).to(self.device, non_blocking=cuda)
-        stats = torch.cat([sq.view(1), host])
-        self.net.all_reduce(stats, kind="scalar")
-        sq, *rest = stats.tolist()
-        n = 8 + len(self.units)
-        sums, squares, keep, got = rest[:4], rest[4:8], rest[8:n], rest[n:]
+        explain = lambda: (self.net.trace, self.sched.ran, dict(self.net.calls))   # noqa: E731
+        (sq, *rest), every = self.net.agree(self.net.trace, explain, torch.cat([sq.view(1), host.to(self.device)]))
+        keep, got = rest[:len(self.units)], rest[len(self.units):]
         for u in trained:
             u.train.written, u.train.got = set(), set()  # the next window starts a new accumulation
-        if any(a * a != self.world * q for a, q in zip(sums, squares)):
-            self._diverged()
+        if every is not None:
+            self._diverged(every)
         s.agree_keep({u.index for u, k in zip(self.units, keep) if k})
         s.micro, self.got = cfg.accum_steps + 1, got
         # the gradients are of loss * scale, summed over ranks and micro-batches after a divide by divide[0]
@@ -1738,7 +1784,7 @@ class Zero:
         clip = self.clip if self.clip is not None else cfg.grad_clip
         got, self.clip, self.sched.micro = self.got, None, 0
         if not math.isfinite(norm):         # every rank sees the same norm: no rank steps alone
-            self.scaler.update(overflow=True)
+            self.scaler.adjust(overflow=True)
             self.ledger_reset()
             if self.scaler.enabled:
                 return False
@@ -1747,7 +1793,7 @@ class Zero:
         # clip_grad_norm_'s rule; unscale and clip are one multiplier, applied inside the Adam kernel
         mult = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) / (self.scaler.scale * plan.divide[1])
         self.step_count += 1
-        self.scaler.update(overflow=False)
+        self.scaler.adjust(overflow=False)
         self.sched.before_update()
         # the groups' hyperparameters as they are now (schedulers set them); a parameter without a gradient
         # on any rank is left untouched, its step count too, as torch's AdamW does
@@ -1780,9 +1826,8 @@ class Zero:
             self.worker.wait(u)
         _regather(self.units if self.plan.offload and self.plan.regathers else [])
 
-    def _diverged(self):
+    def _diverged(self, every):
         # the ranks' collectives or calls differed in this step: say which, change nothing, and stop
-        every = self.net.all_gather_object((self.net.trace, self.sched.ran, dict(self.net.calls)))
         t0, diff, name = every[0][0], "?", lambda i: self.units[i].name if isinstance(i, int) else "the step"
         for r, (t, _, _) in enumerate(every):
             if t != t0:
@@ -1852,7 +1897,7 @@ class Zero:
     def full_state_dict(self, rank0_only=False):
         """The whole model as a plain fp32 state_dict of CPU tensors (every rank calls it), gathered a flat
         buffer at a time and moved to the CPU at once. rank0_only=True: the others get {}."""
-        self.net.agree("full_state_dict")
+        self.net.call("full_state_dict")
         self.settle()
         keep, values = not rank0_only or self.rank == 0, {}
         for f in (f for u in self.units for f in u.flats):
@@ -1871,7 +1916,7 @@ class Zero:
         """Weights from a plain state_dict (model.state_dict() names, tied aliases too) into every copy the
         engine keeps, each rank reading only its slices; Adam starts fresh. Missing, unexpected and wrongly
         shaped entries are one error (strict=False: skipped, and returned)."""
-        self.net.agree("load_state_dict")
+        self.net.call("load_state_dict")
         self.settle()
         # each parameter is read under the first of its names that the state_dict has
         want, aliases = _model_state(self.module), _aliases(self.module)
@@ -2038,7 +2083,7 @@ def save(engine, path, extra=None):
     """A sharded checkpoint of `engine` under directory `path` (every rank calls it), with `extra`, the
     script's own tensors and values: load() returns it as meta["extra"], read_extra() without an engine."""
     net, rank, flats, name = engine.net, engine.rank, [f for u in engine.units for f in u.flats], None
-    net.agree("save")
+    net.call("save")
     engine.settle()                         # offload: the shard state must be this step's
     if rank == 0:                           # a fresh directory, never a complete checkpoint's
         base = f"step_{engine.step_count:08d}"
@@ -2143,7 +2188,7 @@ class _Files:
 def load(engine, path):
     """Restore a checkpoint saved at any world size and stage into `engine` (every rank calls it): all or
     nothing; on as many ranks as saved it, each rank's random state too. Returns meta.json, with `extra`."""
-    engine.net.agree("load")
+    engine.net.call("load")
     engine.settle()
     files = [None]                          # prepare()'s errors reach every rank through _restore
 
@@ -2210,7 +2255,8 @@ def _restore(engine, prepare, what, filled=None):
     # phase 2: a failure is raised on every rank, not a hang in the collectives below; zero's own message (a
     # file that fails its checksum) before what reading that file gave another rank
     mine = f"{type(error).__name__}: {error}" if error else None
-    failed = [m for m in engine.net.all_gather_object(mine) if m]
+    _, every = engine.net.agree(mine, lambda: mine)     # every rank's message, where they differ
+    failed = [m for m in every or [mine] if m]
     first = ([m for m in failed if "zero:" in m] or failed or [None])[0]
     if error is not None and ("zero:" in str(error) or mine == first):
         raise error

@@ -564,6 +564,8 @@ def find_units(model):
 class Flat:
     """A unit's trainable, or its frozen, parameters as views into one flat buffer.
     flat: the buffer (compute dtype, padded to equal shards; stage 3 frees its storage between uses)
+    offsets, numel, end, padded: each parameter's start (on 16 bytes), their elements, where the last ends,
+    the buffer's length (equal shards, each starting on 16 bytes); gaps: the elements no parameter holds
     lo, hi, owned: the range this rank owns, its values (stage 3: shard, kept; None if frozen fp32)
     state: what checkpoints hold: master (fp32; frozen: as held), exp_avg, exp_avg_sq (offload: on host)
     out: where an update writes the owned values (None: the master is them)
@@ -577,8 +579,17 @@ class Flat:
         self.trainable, self.state = trainable, {}
         self.names, self.params = [n for n, _ in named_params], [p for _, p in named_params]
         sizes = [p.numel() for p in self.params]
-        *self.offsets, self.numel = itertools.accumulate([0] + sizes)
-        self.padded = -(-self.numel // plan.shards) * plan.shards   # equal shards, as collectives want
+        # every parameter's view, and every rank's slice, starts on 16 bytes: one odd size would misalign all
+        # the views after it (cuBLAS's slower paths, torch.compile's recompiles); the gaps hold zeros
+        align, self.offsets, self.end = max(1, 16 // plan.dtype.itemsize), [], 0
+        for n in sizes:
+            self.offsets.append(-(-self.end // align) * align)
+            self.end = self.offsets[-1] + n
+        self.numel = sum(sizes)
+        step = plan.shards * align          # equal shards, as collectives want, each on 16 bytes
+        self.padded = -(-self.end // step) * step
+        self.gaps = torch.cat([torch.arange(o + n, nxt) for o, n, nxt in
+                               zip(self.offsets, sizes, self.offsets[1:] + [self.padded])]).to(plan.device)
         rank, size = (plan.shard_rank, self.padded // plan.shards) if sharded else (0, self.padded)
         self.lo, self.hi = rank * size, (rank + 1) * size
         self.segments = [(max(o, self.lo) - self.lo, min(o + n, self.hi) - self.lo, i)
@@ -722,7 +733,7 @@ class Unit:
         for i, (p, o) in enumerate(zip(f.params, f.offsets)):
             if i not in f.written:
                 g[o:o + p.numel()].zero_()
-        g[f.numel:].zero_()
+        g.index_fill_(0, f.gaps, 0)         # and the gaps between parameters: torch.empty's, never written
         f.grad, f.written, self.reduced = g, set(range(len(f.params))), True
         g.mul_(1.0 / plan.divide[0])
         if plan.shards_optim:
@@ -1851,7 +1862,8 @@ def _aliases(model):
 # Each file is written under a temporary name and renamed into place: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loading slices the layout: any world size and stage loads it.
 
-FORMAT = "zero.py-checkpoint-2"
+FORMAT = "zero.py-checkpoint-3"             # 3: aligned layouts, each buffer's shard size in meta.json
+READS = (FORMAT, "zero.py-checkpoint-2")     # 2: parameters back to back
 
 
 def _write_atomic(path, write):
@@ -1891,7 +1903,7 @@ def save(engine, path, extra=None):
     n_files, s, shards = engine.plan.shards, engine.plan.shard_rank, []
     for i, f in enumerate(flats):
         a = s * (f.padded // n_files) - f.lo
-        b = max(a, min(a + f.padded // n_files, f.numel - f.lo))
+        b = max(a, min(a + f.padded // n_files, f.end - f.lo))
         shards.append({k: v[a:b].to("cpu", torch.float32 if f.trainable else v.dtype).clone()
                        for k, v in f.state.items()} if i % net.replicas == net.replica else None)
     blob = dict(flats=shards, rng=torch.get_rng_state())   # each rank's RNG too: dropout's stream goes on
@@ -1910,7 +1922,7 @@ def save(engine, path, extra=None):
                     scaler=engine.scaler.state_dict(),
                     param_groups=[{k: v for k, v in g.items() if k in GROUP_KEYS or k == "initial_lr"}
                                   for g in engine.optimizer.param_groups],
-                    flats=[dict(numel=f.numel, frozen=not f.trainable, params=[
+                    flats=[dict(numel=f.end, shard=f.padded // n_files, frozen=not f.trainable, params=[
                         dict(name=n, shape=list(p.shape), offset=o, aliases=aliases[id(p)], step=t)
                         for n, p, o, t in zip(f.names, f.params, f.offsets, f.steps)]) for f in flats],
                     state_dict_keys=list(_model_state(engine.module)),
@@ -1945,7 +1957,7 @@ class _Files:
         try:
             with open(os.path.join(path, "meta.json")) as f:
                 self.meta = meta = json.load(f)
-            assert meta.get("format") == FORMAT
+            assert meta.get("format") in READS
         except (ValueError, AssertionError) as e:
             raise ValueError(f"zero: {path}/meta.json is corrupt or of another format; use another "
                              "checkpoint") from e
@@ -1958,9 +1970,10 @@ class _Files:
             if _sha256(fname) != meta["sha256"][f"rank_{r:05d}.pt"]:
                 raise ValueError(f"zero: {fname} is truncated or corrupted (its sha256 does not match "
                                  "meta.json); use an earlier checkpoint")
-        # name -> (flat, offset, shard size at save time, shape) in the saved layout
-        self.saved = {p["name"]: (i, p["offset"], -(-f["numel"] // meta["shards"]), p["shape"])
-                      for i, f in enumerate(meta["flats"]) for p in f["params"]}
+        # name -> (flat, offset, shard size at save time, shape) in the saved layout (format 2 has no gaps and
+        # shards of the unpadded length's share)
+        self.saved = {p["name"]: (i, p["offset"], f.get("shard", -(-f["numel"] // meta["shards"])),
+                                  p["shape"]) for i, f in enumerate(meta["flats"]) for p in f["params"]}
 
     def __call__(self, r):                  # weights_only: a checkpoint is data, never code
         if r not in self.open:
@@ -2087,14 +2100,18 @@ def consolidate(path):
 # estimate` prints the paper's 7.5B-parameter, 64-GPU example.
 
 def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, shard_group=0,
-                    frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1):
+                    frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1, num_tensors=0):
     """The ZeRO paper's model-state bytes per rank: params and grads in the compute dtype (grads in fp32 with
     reduce_dtype="fp32"), fp32 master (none in fp32 compute) and two fp32 Adam moments, each sharded by the
     stage across the shard group; frozen parameters in the compute dtype (frozen_dtype="fp32": in fp32, and
-    at stages 0-2 a compute copy beside them), sharded at stage 3 only."""
+    at stages 0-2 a compute copy beside them), sharded at stage 3 only. num_params as the engine holds them
+    (num_params(padded=True)) is exact; given as the model has them, num_tensors (the trainable tensors)
+    adds the engine's padding at its bound: under 16 bytes before each tensor, N x 16 after each unit."""
     c = Config(stage=stage, dtype=dtype, reduce_dtype=reduce_dtype, frozen_dtype=frozen_dtype).validate()
-    psi, fz, n = num_params, frozen_params, shard_group if stage and shard_group else world_size
+    fz, n = frozen_params, shard_group if stage and shard_group else world_size
     p, master = DTYPES[c.dtype].itemsize, 0 if c.dtype == "fp32" and not offload else 4   # bytes per param
+    align = max(1, 16 // p)                 # elements (see Flat): a unit ends with one of its tensors at most
+    psi = num_params + num_tensors * (align - 1 + n * align - 1)
     g = 4 if c.reduce_dtype else p
     per = [n if stage >= s else 1 for s in range(4)]   # each stage divides one more kind by N
     dev = dict(params=p * psi / per[3], grads=g * psi / per[2], master=master * psi / per[1],

@@ -1490,7 +1490,8 @@ def test_cpu_adamw_kernel_is_torchs_fused_adamw():
         out, ref_out = [None if out_dtype is None else torch.empty(n, dtype=out_dtype) for _ in range(2)]
         for step in (1, 2, 3):
             zero.adamw_step(*ours[:1], ours[1].clone(), *ours[2:], step, 1e-3, 0.9, 0.95, 1e-8, 0.1, mult, out)
-            zero._torch_adamw(*ref[:1], ref[1].clone(), *ref[2:], step, 1e-3, 0.9, 0.95, 1e-8, 0.1, mult, ref_out)
+            zero._torch_adamw(*ref[:1], ref[1].clone(), *ref[2:], [(0, n, 1e-3, 0.9, 0.95, 1e-8, 0.1, step)], mult,
+                              ref_out)
         for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), (ours[0], ours[2], ours[3]), (ref[0], ref[2], ref[3])):
             # within a few units of the last place: torch vectorises (and fuses multiply-adds) by the CPU's ISA,
             # so bit-for-bit equality would hold on some CPUs only
@@ -1508,7 +1509,7 @@ def test_cpu_adamw_without_a_compiler_warns_once_and_uses_torch(tmp_path):
             "    o, p = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.bfloat16)\n"
             "    for s in (1, 2):\n"
             "        zero.adamw_step(*a, s, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, o)\n"
-            "        zero._torch_adamw(*b, s, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, p)\n"
+            "        zero._torch_adamw(*b, [(0, 1000, 1e-3, 0.9, 0.95, 1e-8, 0.1, s)], 0.5, p)\n"
             "assert all(torch.equal(x, y) for x, y in zip(a + [o], b + [p]))\n"
             "print(len(w), w[0].message)\n")
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path))
@@ -3897,3 +3898,54 @@ def test_checkpoints_of_the_packed_layout_still_load(tmp_path):
     for k in a_end:                         # and Adam's moments and step counts: the same two steps after
         assert torch.equal(a_end[k], b_end[k]), k
     assert torch.equal(zero.consolidate(old)["blocks.0.fc1.weight"], saved["blocks.0.fc1.weight"])
+
+
+TORCH_PATH_CASES = [(s, d, False) for s in range(4) for d in ("fp32", "bf16")] + \
+    [(s, d, True) for s in (1, 2, 3) for d in ("fp32", "bf16")]
+
+
+def _torch_path_cases(rank, world, chunk):
+    """What a GPU run steps with (and a CPU without a compiler): torch's fused AdamW, the C kernel disabled."""
+    kernel, fused, convert, calls = list(zero._kernel), zero.functional_adamw, zero.CONVERT_CHUNK, []
+
+    def counted(params, *a, **k):
+        calls.append(len(params))
+        return fused(params, *a, **k)
+    zero._kernel[:], zero.functional_adamw, zero.CONVERT_CHUNK = [None], counted, chunk
+    out = {}
+    try:
+        for stage, dtype, offload in TORCH_PATH_CASES if chunk == convert else [(2, "bf16", False), (2, "bf16", True)]:
+            model = make_model(tie=False)
+            cfg = zero.Config(stage=stage, dtype=dtype, lr=LR, offload=offload)
+            engine = zero.Zero(model, cfg, param_groups=three_groups(model))
+            sched, per_step = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, WARMUP), []
+
+            def step(s):
+                before = len(calls)
+                engine.step()
+                engine.settle()             # offload: the worker's calls are in
+                sched.step()
+                hyper = [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
+                # one call per flat buffer and distinct hyperparameters among the parameters this rank owns a part of
+                want = sum(len({hyper[f.group[i]] for _, _, i in f.segments}) for u in engine.units if u.train
+                           for f in [u.train])
+                per_step.append((len(calls) - before, want, sum(calls[before:])))
+            out[(stage, dtype, offload)] = dict(_steps(rank, world, engine, step=step), calls=per_step)
+    finally:
+        zero._kernel[:], zero.functional_adamw, zero.CONVERT_CHUNK = kernel, fused, convert
+    return out
+
+
+@pytest.mark.parametrize("chunk", [zero.CONVERT_CHUNK, 64])
+def test_torch_fused_adamw_path_one_call_per_buffer_and_group_matches_adamw(chunk):
+    res = spawn(_torch_path_cases, 2, chunk)
+    ref, init = groups_reference(three_groups), make_model(tie=False).state_dict()
+    for rank, rs in enumerate(res):
+        for (stage, dtype, offload), r in rs.items():
+            tag = f"rank {rank} stage {stage} {dtype} offload {offload} chunk {chunk}"
+            _check_parity(r, dtype, ref, tag, init=init)
+            for calls, want, entries in r["calls"]:
+                if chunk == zero.CONVERT_CHUNK:     # the whole buffer at once: a call per buffer and group
+                    assert calls == want >= 7 and entries > calls, (tag, r["calls"])
+                else:                               # 16-bit gradients 64 elements at a time: a call per chunk
+                    assert calls > want, (tag, r["calls"])

@@ -511,43 +511,83 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
                out=None):
     """AdamW on 1-D fp32 tensors as torch's fused kernel computes it, grad_mult (unscale, clip) inside, the
     new master also into `out`: on the CPU one pass of the C kernel (fp32/bf16 grad and out), else torch's."""
-    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
-    fn = _cpu_kernel() if master.is_cpu else None
-    if fn is not None and out is not None and out.dtype == torch.float32:   # fp32 compute with offload
+    if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+        return _torch_adamw(master, grad, exp_avg, exp_avg_sq,
+                            [(0, master.numel(), lr, beta1, beta2, eps, weight_decay, step)], grad_mult, out)
+    if out is not None and out.dtype == torch.float32:   # fp32 compute with offload
         adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult)
         return out.copy_(master)
-    if fn is not None and grad.dtype in (torch.float32, torch.bfloat16) and master.dtype == exp_avg.dtype == \
-            exp_avg_sq.dtype == torch.float32 and (out is None or out.dtype == torch.bfloat16) and \
-            all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
-        n, next_block = master.numel(), ctypes.c_int64(0)
-        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step   # in double, then rounded to float, as torch does
-        consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
-                                       -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
-        kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
-        return _parallel(fn, n, (kind, n, ctypes.addressof(next_block), *[t.data_ptr() for t in ts],
-                                 *[None] * (out is None), consts))
-    _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult, out)
+    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
+    n, next_block = master.numel(), ctypes.c_int64(0)
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step   # in double, then rounded to float, as torch does
+    consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
+                                   -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
+    kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
+    ptrs = [t.data_ptr() for t in ts] + [None] * (out is None)
+    return _parallel(_cpu_kernel(), n, (kind, n, ctypes.addressof(next_block), *ptrs, consts))
 
 
-def _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult,
-                 out):
-    # torch's fused kernel (torch >= 2.4's signature); a 16-bit gradient goes in chunks through _scratch: on a
-    # CPU a fresh fp32 copy costs more in page faults than the update
-    n, dev, steps = master.numel(), master.device, torch.zeros((), device=master.device)
-    chunk = max(n, 1) if grad.dtype == torch.float32 else CONVERT_CHUNK
+def adamw_runs(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
+    """adamw_step on each run (a, b, lr, beta1, beta2, eps, weight_decay, step) of these tensors: the C kernel
+    a run at a time; else torch's fused kernel, a multi-tensor call per hyperparameters (an entry per run)."""
+    if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+        return _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult, out)
+    for a, b, lr, beta1, beta2, eps, weight_decay, step in runs:
+        adamw_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, lr, beta1, beta2, eps,
+                   weight_decay, grad_mult, None if out is None else out[a:b])
+
+
+def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+    # the C kernel's tensors (CPU, fp32 state, an fp32 or bf16 gradient, a bf16 out or an fp32 one copied
+    # after, 1-D of one length), and the kernel built
+    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
+    takes = (torch.float32, torch.bfloat16)
+    if grad.dtype not in takes or out is not None and out.dtype not in takes:
+        return False
+    if not master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32:
+        return False
+    if not all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
+        return False
+    return _cpu_kernel() is not None
+
+
+def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
+    # torch's fused kernel (torch >= 2.4's signature) on the runs (a, b, lr, beta1, beta2, eps, weight_decay,
+    # step): one multi-tensor call per hyperparameters, a list entry and a step count per run. A 16-bit
+    # gradient is converted to fp32 once: on a device all of it (a transient), on a CPU in chunks through
+    # _scratch (a fresh fp32 copy costs more in page faults than the update), a call per chunk
+    if not runs:
+        return
+    dev, lo, hi = master.device, min(r[0] for r in runs), max(r[1] for r in runs)
+    chunk = CONVERT_CHUNK if grad.dtype != torch.float32 and dev.type == "cpu" else hi - lo
     inv_mult = torch.full((), 1.0 / grad_mult, device=dev) if grad_mult != 1.0 else None   # divides g
-    for a in range(0, n, chunk):
-        b, g = min(n, a + chunk), grad[a:a + chunk]
-        if g.dtype != torch.float32:
-            if dev not in _scratch or _scratch[dev].numel() < b - a:
+    groups = {}
+    for a, b, *hyper, step in runs:
+        groups.setdefault(tuple(hyper), []).append((a, b, step))
+    for c in range(lo, hi, chunk):
+        d = min(hi, c + chunk)
+        g = grad[c:d]
+        if g.dtype != torch.float32 and dev.type == "cpu":
+            if dev not in _scratch or _scratch[dev].numel() < d - c:
                 _scratch[dev] = torch.empty(chunk, device=dev)
-            g = _scratch[dev][:b - a].copy_(g)
-        steps.fill_(step - 1)           # the kernel counts it to `step`
-        functional_adamw([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps], fused=True,
-                         grad_scale=inv_mult, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-                         weight_decay=weight_decay, eps=eps, maximize=False)
-    if out is not None:
-        out.copy_(master)
+            g = _scratch[dev][:d - c].copy_(g)
+        elif g.dtype != torch.float32:
+            g = g.float()
+        for (lr, beta1, beta2, eps, weight_decay), rs in groups.items():
+            rs = [(max(a, c), min(b, d), step) for a, b, step in rs if max(a, c) < min(b, d)]
+            if not rs:
+                continue
+            # the kernel counts each to its run's step; one fill, and one more per run that missed steps
+            steps = torch.full((len(rs),), rs[0][2] - 1.0, device=dev)
+            for k, (_, _, step) in enumerate(rs):
+                if step != rs[0][2]:
+                    steps[k].fill_(step - 1)
+            functional_adamw([master[a:b] for a, b, _ in rs], [g[a - c:b - c] for a, b, _ in rs],
+                             [exp_avg[a:b] for a, b, _ in rs], [exp_avg_sq[a:b] for a, b, _ in rs], [],
+                             list(steps), fused=True, grad_scale=inv_mult, amsgrad=False, beta1=beta1,
+                             beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+    for a, b, *_ in runs if out is not None else ():
+        out[a:b].copy_(master[a:b])
 
 
 # -----------------------------------------------------------------------------
@@ -780,9 +820,7 @@ class Unit:
             if event is not None:
                 event.synchronize()
         out = f.staging if f.staging is not None else f.out
-        for a, b, lr, b1, b2, eps, wd, step in runs:
-            adamw_step(st["master"][a:b], f.grad_shard[a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], step,
-                       lr, b1, b2, eps, wd, grad_mult=mult, out=None if out is None else out[a:b])
+        adamw_runs(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], runs, mult, out)
         if f.staging is not None:           # runs only: a parameter without a gradient keeps its value
             for a, b, *_ in runs:
                 f.out[a:b].copy_(f.staging[a:b], non_blocking=True)

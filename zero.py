@@ -687,15 +687,16 @@ class Unit:
     trainable one) and lifecycle. phase: FREED (stage 3 between uses; offload at stages 1-2: others' slices
     stale) -> GATHERING (works in flight) -> WHOLE; the root and units with a parameter used outside their
     forward (keep) stay WHOLE to the backward's end. reduced: the micro-batch's reduction launched;
-    replica_work: hybrid's sum across groups; worker, updated, h2d: offload's thread, its update done, its
-    copy's event; grad_out: an output requires grad (None: never ran); call: the schedule's node."""
+    replica_work: hybrid's sum across groups; worker, updated, d2h, h2d: offload's thread, its update done,
+    the events of its copies (Copies) to the host and back; grad_out: an output requires grad (None: never
+    ran); call: the schedule's node."""
 
     def __init__(self, index, module, name, flats, plan, net, is_root):
         self.index, self.module, self.name, self.flats, self.is_root = index, module, name, flats, is_root
         self.plan, self.net, self.params = plan, net, [p for f in flats for p in f.params]
         self.train = next((f for f in flats if f.trainable), None)
         self.phase, self.works, self.keep, self.reduced = WHOLE, [], False, False
-        self.grad_out = self.call = self.replica_work = self.worker = self.h2d = None
+        self.grad_out = self.call = self.replica_work = self.worker = self.d2h = self.h2d = None
         self.updated = threading.Event()
         self.updated.set()
 
@@ -804,29 +805,25 @@ class Unit:
                 self.to_host(dev)
 
     def to_host(self, dev):
-        # once a step (the paper's minimal traffic); the norm first, so that the step need not wait
+        # once a step (the paper's minimal traffic); the norm first, on the compute stream, so that the step
+        # need not wait; the copy on a stream of its own, which the host update waits for
         self.train.norm = torch.linalg.vector_norm(dev, dtype=torch.float32) ** 2
-        self.train.grad_shard.copy_(dev, non_blocking=self.plan.pin)
+        self.d2h = self.worker.copies.to_host(self.train.grad_shard, dev)
         self.net.count("d2h", dev.numel(), dev.element_size())
 
     def sq_norm(self):
         return self.train.norm if self.plan.offload else \
             torch.linalg.vector_norm(self.train.grad_shard, dtype=torch.float32) ** 2
 
-    def update(self, mult, runs, d2h=None):
+    def update(self, mult, runs):
         # AdamW on the owned slice; no collective (offload: on its thread; the next forward gathers)
         f, st = self.train, self.train.state
-        for event in (d2h, self.h2d):       # the gradient on the host; last copy out of staging done
-            if event is not None:
-                event.synchronize()
+        if self.worker is not None:         # its gradient on the host; the last copy out of staging done
+            self.worker.copies.wait(self.d2h, self.h2d)
         out = f.staging if f.staging is not None else f.out
         adamw_runs(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], runs, mult, out)
         if f.staging is not None:           # runs only: a parameter without a gradient keeps its value
-            for a, b, *_ in runs:
-                f.out[a:b].copy_(f.staging[a:b], non_blocking=True)
-            if f.out.is_cuda:               # the next forward waits for this, not for the thread
-                self.h2d = torch.cuda.Event()
-                self.h2d.record()
+            self.h2d = self.worker.copies.to_device([(f.out[a:b], f.staging[a:b]) for a, b, *_ in runs])
 
 
 def _regather(units):
@@ -1335,9 +1332,9 @@ class Zero:
         self.plan = plan = Plan.of(cfg, net)
         self.rank, self.world, self.device, self.dtype = net.rank, net.world, net.device, plan.dtype
         # steps applied (an fp16 overflow skips one), the last norm, clip_grad_norm_'s max_norm, which
-        # parameters got a gradient; offload: the update thread, on CUDA an event after the D2H copies
+        # parameters got a gradient; offload: the update thread
         self.scaler, self.step_count, self.grad_norm = LossScaler(cfg), 0, 0.0
-        self.clip = self.got = self.worker = self.d2h = None
+        self.clip = self.got = self.worker = None
         # meta tensors nothing initialized; offload on CUDA: kind -> [pinned block, used]; the last ledger
         self.unfilled, self.pinned, self.last_comm = set(), {}, {}
         self.names = {id(m): n for n, m in self.module.named_modules()}
@@ -1593,9 +1590,6 @@ class Zero:
         trained = [u for u in self.units if u.train]
         for u in trained:
             u.finish_replica()
-        if plan.pin:                        # the worker waits for the gradient shards' copies to the host
-            self.d2h = torch.cuda.Event()
-            self.d2h.record()
         # one fp64 all-reduce (exact for these integers) agrees on: the squared gradient norm (inf or nan:
         # overflow), the fingerprint of each rank's collectives and calls with its squares, the units kept
         # whole, the parameters with a gradient on any rank
@@ -1655,7 +1649,7 @@ class Zero:
             # others' slices are last step's; the 16-bit slices go to the device
             jobs = []
             for u in (u for u in [self.root, *self.sched.order] if u is not None and u.train):
-                jobs.append((u, functools.partial(u.update, mult, runs[u.index], self.d2h)))
+                jobs.append((u, functools.partial(u.update, mult, runs[u.index])))
                 if plan.regathers and u.phase == WHOLE:
                     u.reshard()
                 self.net.count("h2d", u.train.hi - u.train.lo, u.train.flat.element_size())
@@ -1796,6 +1790,59 @@ class Zero:
 LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys wrong_shapes")
 
 
+class Copies:
+    """Offload's copies between the device and the host, the one place with CUDA streams and events. On CUDA a
+    gradient shard goes to the host on a stream of its own once the current stream's work so far (its
+    reduction) is done, and the host update waits for that unit's copy alone; the updated 16-bit slices come
+    back on another, which the next forward's stream waits for. On a CPU: plain copies in order, no events."""
+
+    def __init__(self, device):
+        cuda = device.type == "cuda"
+        self.d2h = torch.cuda.Stream(device) if cuda else None     # gradient shards to the host
+        self.h2d = torch.cuda.Stream(device) if cuda else None     # updated slices back to the device
+
+    def to_host(self, dst, src):
+        # dst (pinned) <- src after the current stream's work so far; the event to wait for before reading dst
+        if self.d2h is None:
+            dst.copy_(src)
+            return None
+        self.d2h.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+        # src is a slice of f.grad (dropped right after at stages 2-3) or of f.acc: its memory is not handed
+        # out again before this stream's copy has read it
+        src.record_stream(self.d2h)
+        return self._event(self.d2h)
+
+    def to_device(self, pairs):
+        # each (dst, src) copied from the host; the event the device's next use of dst waits for
+        if self.h2d is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.h2d):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        return self._event(self.h2d)
+
+    @staticmethod
+    def _event(stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(*events):                      # the host waits: a copy to it landed, one from it has read it
+        for event in events:
+            if event is not None:
+                event.synchronize()
+
+    @staticmethod
+    def order(event):                       # the current stream's later work waits; the host does not
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
 class HostWorker:
     """ZeRO-Offload's update thread: one step's jobs (unit, fn) in the forward's order while the caller goes
     on to the next forward, which waits only for the unit it is about to run. A failure is raised in the
@@ -1803,6 +1850,7 @@ class HostWorker:
 
     def __init__(self, device, timeout_s):
         self.jobs, self.error, self.timeout = queue.Queue(), None, timeout_s
+        self.copies = Copies(device)        # its units' copies to the host and back
         self.thread = threading.Thread(target=self._run, args=(device,), daemon=True,
                                        name="zero-offload-adam")
         self.thread.start()
@@ -1814,13 +1862,10 @@ class HostWorker:
         self.jobs.put(jobs)
 
     def _run(self, device):
-        # on CUDA the copies to the device go on a stream of their own, not behind the forward's kernels
-        cuda = device.type == "cuda"
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.set_device(device)   # the current GPU is per thread
-        with torch.cuda.stream(torch.cuda.Stream(device)) if cuda else contextlib.nullcontext():
-            while self._do(self.jobs.get()):
-                pass
+        while self._do(self.jobs.get()):
+            pass
 
     def _do(self, jobs):
         # one step's jobs, none referenced here after (the engine can be freed); a failure is the caller's
@@ -1839,8 +1884,7 @@ class HostWorker:
         if self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError("zero: the offload update failed") from err
-        if u.h2d is not None:
-            torch.cuda.current_stream().wait_event(u.h2d)
+        self.copies.order(u.h2d)
 
     def close(self):
         # the jobs queued before are done first; bounded, so that a hung update cannot hang the exit

@@ -19,6 +19,7 @@ import io
 import itertools
 import json
 import math
+import mmap
 import multiprocessing as mp
 import os
 import queue
@@ -4144,6 +4145,102 @@ def test_cuda_offload_copies_to_the_host_leave_the_compute_stream_and_match_adam
         tag = f"stage {stage} {dtype} offload on CUDA"
         # every copy on the offload's own stream, none on the compute (here the default) stream
         assert len(r["seen"]) == STEPS * r["units"] and all(s == (True, False) for s in r["seen"]), (tag, r["seen"])
+        if dtype == "fp32":
+            _check_cuda_fp32(r, ref, tag)
+        else:
+            _check_parity(r, dtype, ref, tag)
+
+
+@contextlib.contextmanager
+def forced_pin_path(register=True):
+    """The CUDA offload path on a CPU: Plan.pin set, cudaHostRegister/Unregister replaced by a recorder that
+    says `register`. Yields the calls: [("register", ptr, nbytes) or ("unregister", ptr), ...]."""
+    of, reg, unreg, calls = zero.Plan.of, zero._host_register, zero._host_unregister, []
+    zero.Plan.of = staticmethod(lambda cfg, net: dataclasses.replace(of(cfg, net), pin=cfg.offload))
+    zero._host_register = lambda ptr, nbytes: calls.append(("register", ptr, nbytes)) or register
+    zero._host_unregister = lambda ptr: calls.append(("unregister", ptr))
+    try:
+        yield calls
+    finally:
+        zero.Plan.of, zero._host_register, zero._host_unregister = of, reg, unreg
+
+
+def _span(t):
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _pin_cases(rank, world):
+    out = {}
+    for stage, dtype, register in [(1, "bf16", True), (2, "bf16", True), (3, "bf16", True), (2, "fp32", True),
+                                   (3, "bf16", False)]:
+        with forced_pin_path(register) as calls, warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype=dtype, lr=LR, offload=True))
+            flats = [u.train for u in engine.units if u.train]
+            regs = [(p, p + n) for kind, p, n in calls if kind == "register"]
+            inside = lambda t: any(a <= _span(t)[0] and _span(t)[1] <= b for a, b in regs)   # noqa: E731
+            kinds = {"grad_shard": [inside(f.grad_shard) for f in flats], "staging": [inside(f.staging) for f in flats],
+                     "master, moments": [inside(f.state[k]) for f in flats for k in ("master", "exp_avg", "exp_avg_sq")]}
+            want = dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
+            want.update(grads=sum(f.grad_shard.nbytes for f in flats), params=sum(f.staging.nbytes for f in flats))
+            r = _steps(rank, world, engine)
+            res = dict(r, kinds={k: (len(v), all(v), any(v)) for k, v in kinds.items()}, pinned=engine.pinned_memory(),
+                       want=want, pages=[(a % mmap.PAGESIZE, (b - a) % mmap.PAGESIZE) for a, b in regs],
+                       apart=all(b1 <= a2 for (_, b1), (a2, _) in zip(sorted(regs), sorted(regs)[1:])),
+                       warned=[str(w.message) for w in said if "pin" in str(w.message)])
+            del engine, flats
+            gc.collect()
+            res["unregistered"] = sorted(p for kind, p, *_ in calls if kind == "unregister")
+            res["registered"] = sorted(a for a, _ in regs) if register else []
+            out[(stage, dtype, register)] = res
+    return out
+
+
+def test_offload_pins_only_the_gradient_shard_and_the_staging_copy():
+    res = spawn(_pin_cases, 2)
+    ref = reference(STEPS, BATCH, zero.Config(lr=LR))
+    for rank, rs in enumerate(res):
+        for (stage, dtype, register), r in rs.items():
+            tag = f"rank {rank} stage {stage} {dtype} registered {register}"
+            _check_parity(r, dtype, ref, tag)
+            n = r["kinds"]["grad_shard"][0]
+            assert n >= 4 and r["kinds"]["staging"][0] == n and r["kinds"]["master, moments"][0] == 3 * n, tag
+            # two blocks (gradient shards, staging), each on whole pages of its own
+            assert len(r["pages"]) == 2 and all(p == (0, 0) for p in r["pages"]) and r["apart"], (tag, r["pages"])
+            assert not r["kinds"]["master, moments"][2], tag     # master and moments: pageable
+            if register:
+                assert r["kinds"]["grad_shard"][1] and r["kinds"]["staging"][1], tag
+                assert r["pinned"] == r["want"] and r["want"]["grads"] > 0, (tag, r["pinned"], r["want"])
+                assert r["warned"] == [] and r["unregistered"] == r["registered"], tag
+            else:                               # refused: pageable, said once, nothing counted as pinned
+                assert r["pinned"] == dict.fromkeys(r["want"], 0), tag
+                assert len(r["warned"]) == 1 and "pageable" in r["warned"][0], (tag, r["warned"])
+                assert r["unregistered"] == [], tag
+
+
+def _cuda_pinned(rank, world):
+    out = {}
+    for stage, dtype in [(2, "bf16"), (3, "fp32")]:
+        engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype=dtype, lr=LR, offload=True))
+        flats = [u.train for u in engine.units if u.train]
+        kinds = {k: [t.is_pinned() for t in ts] for k, ts in (
+            ("grad_shard", [f.grad_shard for f in flats]), ("staging", [f.staging for f in flats]),
+            ("master", [f.state["master"] for f in flats]), ("exp_avg", [f.state["exp_avg"] for f in flats]),
+            ("exp_avg_sq", [f.state["exp_avg_sq"] for f in flats]))}
+        want = dict(grads=sum(f.grad_shard.nbytes for f in flats), params=sum(f.staging.nbytes for f in flats))
+        out[(stage, dtype)] = dict(_cuda_steps(engine), kinds=kinds, pinned=engine.pinned_memory(), want=want)
+    return out
+
+
+@CUDA
+def test_cuda_offload_pins_only_the_gradient_shard_and_the_staging_copy():
+    res = spawn(_cuda_pinned, 1)[0]
+    ref = reference(STEPS, BATCH, zero.Config(lr=LR))
+    for (stage, dtype), r in res.items():
+        tag = f"stage {stage} {dtype}"
+        assert all(r["kinds"]["grad_shard"]) and all(r["kinds"]["staging"]), (tag, r["kinds"])
+        assert not any(any(r["kinds"][k]) for k in ("master", "exp_avg", "exp_avg_sq")), (tag, r["kinds"])
+        assert r["pinned"] == dict(r["want"], master=0, optim=0, frozen=0), (tag, r["pinned"], r["want"])
         if dtype == "fp32":
             _check_cuda_fp32(r, ref, tag)
         else:

@@ -19,7 +19,7 @@ Sections: 1. Config, Plan  2. Collectives  3. Loss scaler  4. AdamW  5. Flat buf
 """
 
 import argparse, atexit, collections, contextlib, ctypes, dataclasses, datetime  # noqa: E401
-import functools, hashlib, heapq, itertools, json, math, os, platform, queue, shutil  # noqa: E401
+import functools, hashlib, heapq, itertools, json, math, mmap, os, platform, queue, shutil  # noqa: E401
 import subprocess, tempfile, threading, time, warnings, weakref, zlib  # noqa: E401
 from concurrent.futures import ThreadPoolExecutor
 
@@ -110,7 +110,7 @@ class Plan:
     regathers: bool                 # whole parameters: updated slices all-gathered after an update (1-2)
     gathers_lazily: bool            # forwards gather (stage 3; offload: the slices the host update wrote)
     offload: bool                   # master, moments and the gradient shard on the host
-    pin: bool                       # offload on CUDA: pinned host memory, and a staging copy
+    pin: bool                       # offload on CUDA: the gradient shard and a 16-bit staging copy pinned
     master_is_param: bool           # fp32 compute without offload: the owned parameters are the master
     frozen_fp32: bool               # frozen parameters held in fp32, cast when gathered
     prefetch: bool
@@ -1335,7 +1335,7 @@ class Zero:
         # parameters got a gradient; offload: the update thread
         self.scaler, self.step_count, self.grad_norm = LossScaler(cfg), 0, 0.0
         self.clip = self.got = self.worker = None
-        # meta tensors nothing initialized; offload on CUDA: kind -> [pinned block, used]; the last ledger
+        # meta tensors nothing initialized; offload on CUDA: kind -> [block, used, pinned]; the last ledger
         self.unfilled, self.pinned, self.last_comm = set(), {}, {}
         self.names = {id(m): n for n, m in self.module.named_modules()}
         # each parameter, by identity (a tied weight has several names), to the one unit that holds it
@@ -1451,15 +1451,20 @@ class Zero:
                 m._buffers[n] = self.placed[id(b)]
 
     def _state(self, kind, n, dtype=torch.float32, src=None):
-        # shard state, zeros or src's copy. Offload on CUDA carves it from one block per kind, registered with
-        # CUDA at its size: torch's pinned allocator rounds up to a power of two (and it cannot be swapped)
-        if not self.plan.pin:
+        # shard state, zeros or src's copy. Offload on CUDA pins what crosses the bus each step (PINNED;
+        # master and moments stay pageable), carved from one block per kind registered at its size: torch's
+        # pinned allocator rounds up to a power of two (and it cannot be swapped)
+        if not (self.plan.pin and kind in PINNED):
             t = torch.empty(n, dtype=dtype, device=self.plan.host)
         else:
             if kind not in self.pinned:
-                block = torch.empty(sum(u.train.hi - u.train.lo for u in self.units if u.train), dtype=dtype)
-                self.pinned[kind] = [_pinned(block), 0]
-            block, used = self.pinned[kind]
+                total = sum(u.train.hi - u.train.lo for u in self.units if u.train)
+                block, pinned = _pinned_block(total, dtype)
+                if not pinned and all(p for _, _, p in self.pinned.values()):   # the first refusal only
+                    warnings.warn("zero: CUDA did not pin the offload's host buffers (cudaHostRegister "
+                                  "refused; see ulimit -l): they stay pageable, their copies synchronous")
+                self.pinned[kind] = [block, 0, pinned]
+            block, used, _ = self.pinned[kind]
             t, self.pinned[kind][1] = block[used:used + n], used + n
         return t.copy_(src) if src is not None else t.zero_()
 
@@ -1715,7 +1720,8 @@ class Zero:
 
     def memory(self):
         """Bytes of model state this rank holds, by kind, on the device and the host, from the tensors'
-        storages, each once (on a CPU-only machine "device" and "host" are one memory, split by role)."""
+        storages, each once (on a CPU-only machine "device" and "host" are one memory, split by role); of the
+        host's, pinned_memory() says what is pinned."""
         out = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
                for w in ("device", "host")}
         seen, host = set(), "host" if self.cfg.offload else "device"
@@ -1729,6 +1735,15 @@ class Zero:
                 if st is not None and st.nbytes() and st.data_ptr() not in seen:   # views share a storage
                     seen.add(st.data_ptr())
                     out[where if f.trainable else "device"][kind if f.trainable else "frozen"] += st.nbytes()
+        return out
+
+    def pinned_memory(self):
+        """The host bytes of memory() that CUDA has page-locked, by kind: with offload on CUDA the gradient
+        shard (grads) and the 16-bit staging copy (params), which cross the bus every step; nothing else."""
+        out = dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
+        for kind, (block, used, pinned) in self.pinned.items():
+            if pinned:
+                out[PINNED[kind]] += used * block.element_size()
         return out
 
     def num_params(self, padded=False, frozen=False):
@@ -1900,17 +1915,38 @@ def _mismatch(what, missing, unexpected, shapes):
         raise ValueError(f"zero: {what} " + "; ".join(parts))
 
 
-def _pinned(block):
-    # block registered with CUDA as it is (unregistered when freed), or, refused, a copy from torch's pinned
-    # allocator, rounded up; the refusal's CUDA error is cleared, or the next kernel reports it
-    cudart = torch.cuda.cudart()
-    if cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 0) == 0:
-        weakref.finalize(block, cudart.cudaHostUnregister, block.data_ptr())
-        return block
-    with contextlib.suppress(OSError, AttributeError):
-        v = next((v for v in ("12", "13", "11") if torch.version.cuda.startswith(v)), None)
-        ctypes.CDLL("libcudart.so" + (f".{v}" if v else "")).cudaGetLastError()
-    return block.pin_memory()
+PINNED = {"grad_shard": "grads", "staging": "params"}   # offload's state that is pinned: memory()'s kind
+
+
+def _pinned_block(n, dtype):
+    # n elements of host memory on pages of their own (an anonymous mapping: page-aligned, whole pages, so
+    # that no two blocks share a page, which CUDA would refuse to register twice), page-locked with CUDA until
+    # the block is dropped. Returns the block and whether CUDA pinned it (if not, it is pageable)
+    nbytes = n * dtype.itemsize
+    if not nbytes:
+        return torch.empty(0, dtype=dtype), True
+    pages = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
+    block = torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype)   # (it holds the mapping)
+    if not _host_register(block.data_ptr(), len(pages)):
+        return block, False
+    weakref.finalize(block, _host_unregister, block.data_ptr())
+    return block, True
+
+
+def _host_register(ptr, nbytes):
+    # page-locks [ptr, ptr + nbytes) through torch's own binding: True if CUDA did. A refusal leaves CUDA's
+    # last error set, and torch.cuda.cudart() binds no cudaGetLastError (torch 2.4-2.13: GetErrorString,
+    # Profiler*, HostRegister, HostUnregister, StreamCreate/Destroy, MemGetInfo); torch's check after its
+    # next kernel launch would raise it there, so one launched here takes it
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0:
+        return True
+    with contextlib.suppress(RuntimeError):
+        torch.empty(1, device=torch.device("cuda", torch.cuda.current_device())).fill_(1)
+    return False
+
+
+def _host_unregister(ptr):
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def _post_order(module, stop):

@@ -4090,14 +4090,15 @@ def test_offload_copies_take_their_own_streams_in_order_on_the_cpu():
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def _cuda_steps(engine, steps=STEPS, batch=BATCH):
-    """One process on the GPU (world 1, no process group): the engine on each whole batch, moved to its device."""
+def _cuda_steps(engine, steps=STEPS, batch=BATCH, step=None):
+    """One process on the GPU (world 1, no process group): the engine on each whole batch, moved to its device;
+    step(s) replaces engine.step()."""
     xs, ys = make_batches(steps, batch)
     losses, norms, oks = [], [], []
     for s in range(steps):
         loss = engine(xs[s].to(engine.device), ys[s].to(engine.device))["loss"]
         engine.backward(loss)
-        oks.append(engine.step())
+        oks.append(step(s) if step else engine.step())
         losses.append(loss.item())
         norms.append(engine.grad_norm)
     return dict(losses=losses, norms=norms, oks=oks, sd=engine.full_state_dict())
@@ -4245,3 +4246,44 @@ def test_cuda_offload_pins_only_the_gradient_shard_and_the_staging_copy():
             _check_cuda_fp32(r, ref, tag)
         else:
             _check_parity(r, dtype, ref, tag)
+
+
+def _cuda_fused_cases(rank, world):
+    fused, calls, out = zero.functional_adamw, [], {}
+
+    def counted(params, *a, **k):
+        calls.append(len(params))
+        return fused(params, *a, **k)
+    zero.functional_adamw = counted
+    try:
+        for stage in range(4):
+            model = make_model(tie=False)
+            engine = zero.Zero(model, zero.Config(stage=stage, dtype="bf16", lr=LR), param_groups=three_groups(model))
+            sched, per_step, views = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, WARMUP), [], []
+            for m in engine.module.modules():   # each view as its module uses it: whole, on 16 bytes
+                m.register_forward_pre_hook(lambda m, a: views.extend(
+                    p.untyped_storage().nbytes() > 0 and p.data_ptr() % 16 == 0 for p in m.parameters(recurse=False)))
+
+            def step(s):
+                before = len(calls)
+                ok = engine.step()
+                sched.step()
+                hyper = [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
+                per_step.append((len(calls) - before, sum(len({hyper[u.train.group[i]] for _, _, i in u.train.segments})
+                                                          for u in engine.units if u.train)))
+                return ok
+            out[stage] = dict(_cuda_steps(engine, step=step), calls=per_step, views=(len(views), all(views)))
+    finally:
+        zero.functional_adamw = fused
+    return out
+
+
+@CUDA
+def test_cuda_fused_adamw_one_call_per_buffer_and_group_on_aligned_views():
+    res = spawn(_cuda_fused_cases, 1)[0]
+    ref, init = groups_reference(three_groups), make_model(tie=False).state_dict()
+    for stage, r in res.items():
+        tag = f"stage {stage} bf16 on CUDA"
+        assert all(calls == want >= 7 for calls, want in r["calls"]), (tag, r["calls"])
+        assert r["views"][0] >= 4 * 11 and r["views"][1], (tag, r["views"])
+        _check_parity(r, "bf16", ref, tag, init=init)

@@ -558,7 +558,8 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=Non
     # _scratch (a fresh fp32 copy costs more in page faults than the update), a call per chunk
     if not runs:
         return
-    dev, lo, hi = master.device, min(r[0] for r in runs), max(r[1] for r in runs)
+    dev = master.device
+    lo, hi = min(r[0] for r in runs), max(r[1] for r in runs)    # the span the runs cover
     chunk = CONVERT_CHUNK if grad.dtype != torch.float32 and dev.type == "cpu" else hi - lo
     inv_mult = torch.full((), 1.0 / grad_mult, device=dev) if grad_mult != 1.0 else None   # divides g
     groups = {}
@@ -586,8 +587,9 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=Non
                              [exp_avg[a:b] for a, b, _ in rs], [exp_avg_sq[a:b] for a, b, _ in rs], [],
                              list(steps), fused=True, grad_scale=inv_mult, amsgrad=False, beta1=beta1,
                              beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-    for a, b, *_ in runs if out is not None else ():
-        out[a:b].copy_(master[a:b])
+    if out is not None:
+        for a, b, *_ in runs:
+            out[a:b].copy_(master[a:b])
 
 
 # -----------------------------------------------------------------------------
@@ -626,8 +628,8 @@ class Flat:
             self.offsets.append(-(-self.end // align) * align)
             self.end = self.offsets[-1] + n
         self.numel = sum(sizes)
-        step = plan.shards * align          # equal shards, as collectives want, each on 16 bytes
-        self.padded = -(-self.end // step) * step
+        grain = plan.shards * align         # equal shards, as collectives want, each on 16 bytes
+        self.padded = -(-self.end // grain) * grain
         self.gaps = torch.cat([torch.arange(o + n, nxt) for o, n, nxt in
                                zip(self.offsets, sizes, self.offsets[1:] + [self.padded])]).to(plan.device)
         rank, size = (plan.shard_rank, self.padded // plan.shards) if sharded else (0, self.padded)

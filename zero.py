@@ -814,8 +814,15 @@ class Unit:
         self.net.count("d2h", dev.numel(), dev.element_size())
 
     def sq_norm(self):
-        return self.train.norm if self.plan.offload else \
-            torch.linalg.vector_norm(self.train.grad_shard, dtype=torch.float32) ** 2
+        if self.plan.offload:
+            return self.train.norm
+        g = self.train.grad_shard
+        if self.plan.shards_optim:
+            return torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        # stage 0: the whole gradient's as the sum over the slices stages 1-3 own, in fp64 as theirs is: the
+        # norm's rounding, which the clip carries into every update, does not depend on the stage
+        pieces = [torch.linalg.vector_norm(p, dtype=torch.float32) ** 2 for p in g.view(self.plan.shards, -1)]
+        return torch.stack(pieces).double().sum()
 
     def update(self, mult, runs):
         # AdamW on the owned slice; no collective (offload: on its thread; the next forward gathers)

@@ -4043,6 +4043,7 @@ def _stream_order_cases(rank, world):
                 u.train.staging = torch.full((u.train.hi - u.train.lo,), float("nan"), dtype=zero.DTYPES[dtype])
             shards = {u.train.grad_shard.data_ptr() for u in engine.units}
             staging = {(u.train.out.data_ptr(), u.train.staging.data_ptr()): u.train.staging.nbytes for u in engine.units}
+            log.clear()                     # the build's copies, into memory that was not yet these tensors'
             r = _steps(rank, world, engine)
         out[(stage, dtype)] = dict(r, log=log, shards=shards, staging=staging)
     return out

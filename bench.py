@@ -725,7 +725,7 @@ def report_gpu(quick):
         exact.append(all(torch.equal(u.train.owned.cpu(), u.train.state["master"].to(torch.bfloat16))
                          for u in eng.units))
     unused = eng.full_state_dict()["unused.weight"]
-    pinned = sum(b.nbytes for b, _ in eng.pinned.values())
+    pinned = sum(eng.pinned_memory().values())
     host = sum(eng.memory()["host"].values())
     print(f"offload staging: 16-bit parameters equal the masters' rounding after each step {exact}; the never-"
           f"updated weight after load_state_dict: {'kept' if torch.all(unused == 0.25) else 'CHANGED'}; pinned "

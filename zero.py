@@ -19,7 +19,7 @@ Sections: 1. Config, Plan  2. Collectives  3. Loss scaler  4. AdamW  5. Flat buf
 """
 
 import argparse, atexit, collections, contextlib, ctypes, dataclasses, datetime  # noqa: E401
-import functools, hashlib, heapq, itertools, json, math, os, platform, queue, shutil  # noqa: E401
+import functools, hashlib, heapq, itertools, json, math, mmap, os, platform, queue, shutil  # noqa: E401
 import subprocess, tempfile, threading, time, warnings, weakref, zlib  # noqa: E401
 from concurrent.futures import ThreadPoolExecutor
 
@@ -121,7 +121,7 @@ class Plan:
     regathers: bool                 # whole parameters: updated slices all-gathered after an update (1-2)
     gathers_lazily: bool            # forwards gather (stage 3; offload: the slices the host update wrote)
     offload: bool                   # master, moments and the gradient shard on the host
-    pin: bool                       # offload on CUDA: pinned host memory, and a staging copy
+    pin: bool                       # offload on CUDA: the gradient shard and a 16-bit staging copy pinned
     master_is_param: bool           # fp32 compute without offload: the owned parameters are the master
     frozen_fp32: bool               # frozen parameters held in fp32, cast when gathered
     prefetch: bool
@@ -667,43 +667,85 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
                out=None):
     """AdamW on 1-D fp32 tensors as torch's fused kernel computes it, grad_mult (unscale, clip) inside, the
     new master also into `out`: on the CPU one pass of the C kernel (fp32/bf16 grad and out), else torch's."""
-    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
-    fn = _cpu_kernel() if master.is_cpu else None
-    if fn is not None and out is not None and out.dtype == torch.float32:   # fp32 compute with offload
+    if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+        return _torch_adamw(master, grad, exp_avg, exp_avg_sq,
+                            [(0, master.numel(), lr, beta1, beta2, eps, weight_decay, step)], grad_mult, out)
+    if out is not None and out.dtype == torch.float32:   # fp32 compute with offload
         adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult)
         return out.copy_(master)
-    if fn is not None and grad.dtype in (torch.float32, torch.bfloat16) and master.dtype == exp_avg.dtype == \
-            exp_avg_sq.dtype == torch.float32 and (out is None or out.dtype == torch.bfloat16) and \
-            all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
-        n, next_block = master.numel(), ctypes.c_int64(0)
-        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step   # in double, then rounded to float, as torch does
-        consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
-                                       -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
-        kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
-        return _parallel(fn, n, (kind, n, ctypes.addressof(next_block), *[t.data_ptr() for t in ts],
-                                 *[None] * (out is None), consts))
-    _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult, out)
+    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
+    n, next_block = master.numel(), ctypes.c_int64(0)
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step   # in double, then rounded to float, as torch does
+    consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
+                                   -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
+    kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
+    ptrs = [t.data_ptr() for t in ts] + [None] * (out is None)
+    return _parallel(_cpu_kernel(), n, (kind, n, ctypes.addressof(next_block), *ptrs, consts))
 
 
-def _torch_adamw(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult,
-                 out):
-    # torch's fused kernel (torch >= 2.4's signature); a 16-bit gradient goes in chunks through _scratch: on a
-    # CPU a fresh fp32 copy costs more in page faults than the update
-    n, dev, steps = master.numel(), master.device, torch.zeros((), device=master.device)
-    chunk = max(n, 1) if grad.dtype == torch.float32 else CONVERT_CHUNK
+def adamw_runs(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
+    """adamw_step on each run (a, b, lr, beta1, beta2, eps, weight_decay, step) of these tensors: the C kernel
+    a run at a time; else torch's fused kernel, a multi-tensor call per hyperparameters (an entry per run)."""
+    if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+        return _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult, out)
+    for a, b, lr, beta1, beta2, eps, weight_decay, step in runs:
+        adamw_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, lr, beta1, beta2, eps,
+                   weight_decay, grad_mult, None if out is None else out[a:b])
+
+
+def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+    # the C kernel's tensors (CPU, fp32 state, an fp32 or bf16 gradient, a bf16 out or an fp32 one copied
+    # after, 1-D of one length), and the kernel built
+    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
+    takes = (torch.float32, torch.bfloat16)
+    if grad.dtype not in takes or out is not None and out.dtype not in takes:
+        return False
+    if not master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32:
+        return False
+    if not all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
+        return False
+    return _cpu_kernel() is not None
+
+
+def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
+    # torch's fused kernel (torch >= 2.4's signature) on the runs (a, b, lr, beta1, beta2, eps, weight_decay,
+    # step): one multi-tensor call per hyperparameters, a list entry and a step count per run. A 16-bit
+    # gradient is converted to fp32 once: on a device all of it (a transient), on a CPU in chunks through
+    # _scratch (a fresh fp32 copy costs more in page faults than the update), a call per chunk
+    if not runs:
+        return
+    dev = master.device
+    lo, hi = min(r[0] for r in runs), max(r[1] for r in runs)    # the span the runs cover
+    chunk = CONVERT_CHUNK if grad.dtype != torch.float32 and dev.type == "cpu" else hi - lo
     inv_mult = torch.full((), 1.0 / grad_mult, device=dev) if grad_mult != 1.0 else None   # divides g
-    for a in range(0, n, chunk):
-        b, g = min(n, a + chunk), grad[a:a + chunk]
-        if g.dtype != torch.float32:
-            if dev not in _scratch or _scratch[dev].numel() < b - a:
+    groups = {}
+    for a, b, *hyper, step in runs:
+        groups.setdefault(tuple(hyper), []).append((a, b, step))
+    for c in range(lo, hi, chunk):
+        d = min(hi, c + chunk)
+        g = grad[c:d]
+        if g.dtype != torch.float32 and dev.type == "cpu":
+            if dev not in _scratch or _scratch[dev].numel() < d - c:
                 _scratch[dev] = torch.empty(chunk, device=dev)
-            g = _scratch[dev][:b - a].copy_(g)
-        steps.fill_(step - 1)           # the kernel counts it to `step`
-        functional_adamw([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [steps], fused=True,
-                         grad_scale=inv_mult, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-                         weight_decay=weight_decay, eps=eps, maximize=False)
+            g = _scratch[dev][:d - c].copy_(g)
+        elif g.dtype != torch.float32:
+            g = g.float()
+        for (lr, beta1, beta2, eps, weight_decay), rs in groups.items():
+            rs = [(max(a, c), min(b, d), step) for a, b, step in rs if max(a, c) < min(b, d)]
+            if not rs:
+                continue
+            # the kernel counts each to its run's step; one fill, and one more per run that missed steps
+            steps = torch.full((len(rs),), rs[0][2] - 1.0, device=dev)
+            for k, (_, _, step) in enumerate(rs):
+                if step != rs[0][2]:
+                    steps[k].fill_(step - 1)
+            functional_adamw([master[a:b] for a, b, _ in rs], [g[a - c:b - c] for a, b, _ in rs],
+                             [exp_avg[a:b] for a, b, _ in rs], [exp_avg_sq[a:b] for a, b, _ in rs], [],
+                             list(steps), fused=True, grad_scale=inv_mult, amsgrad=False, beta1=beta1,
+                             beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
     if out is not None:
-        out.copy_(master)
+        for a, b, *_ in runs:
+            out[a:b].copy_(master[a:b])
 
 
 # -----------------------------------------------------------------------------
@@ -722,6 +764,8 @@ class Flat:
     dtype: the buffer's, the compute dtype (frozen tensors that are not floats: their own, never cast)
     cast: frozen floats held in fp32 (Config.frozen_dtype), cast to the compute dtype when gathered
     flat: the buffer (padded to equal shards; stage 3 frees its storage between uses)
+    offsets, numel, end, padded: each parameter's start (on 16 bytes), their elements, where the last ends,
+    the buffer's length (equal shards, each starting on 16 bytes); gaps: the elements no parameter holds
     lo, hi, owned: the range this rank owns, its values (stage 3: shard, kept; None if frozen fp32)
     state: what checkpoints hold: master (fp32; frozen: as held), exp_avg, exp_avg_sq (offload: on host)
     out: where an update writes the owned values (None: the master is them)
@@ -737,8 +781,17 @@ class Flat:
         self.cast = dtype is None and not trainable and plan.frozen_fp32
         self.names, self.params = [n for n, _ in named_params], [p for _, p in named_params]
         sizes = [p.numel() for p in self.params]
-        *self.offsets, self.numel = itertools.accumulate([0] + sizes)
-        self.padded = -(-self.numel // plan.shards) * plan.shards   # equal shards, as collectives want
+        # every parameter's view, and every rank's slice, starts on 16 bytes: one odd size would misalign all
+        # the views after it (cuBLAS's slower paths, torch.compile's recompiles); the gaps hold zeros
+        align, self.offsets, self.end = max(1, 16 // self.dtype.itemsize), [], 0
+        for n in sizes:
+            self.offsets.append(-(-self.end // align) * align)
+            self.end = self.offsets[-1] + n
+        self.numel = sum(sizes)
+        grain = plan.shards * align         # equal shards, as collectives want, each on 16 bytes
+        self.padded = -(-self.end // grain) * grain
+        self.gaps = torch.cat([torch.arange(o + n, nxt) for o, n, nxt in
+                               zip(self.offsets, sizes, self.offsets[1:] + [self.padded])]).to(plan.device)
         rank, size = (plan.shard_rank, self.padded // plan.shards) if sharded else (0, self.padded)
         self.lo, self.hi = rank * size, (rank + 1) * size
         self.segments = [(max(o, self.lo) - self.lo, min(o + n, self.hi) - self.lo, i)
@@ -796,15 +849,16 @@ class Unit:
     trainable one) and lifecycle. phase: FREED (stage 3 between uses; offload at stages 1-2: others' slices
     stale) -> GATHERING (works in flight) -> WHOLE; the root and units with a parameter used outside their
     forward (keep) stay WHOLE to the backward's end. reduced: the micro-batch's reduction launched;
-    replica_work: hybrid's sum across groups; worker, updated, h2d: offload's thread, its update done, its
-    copy's event; grad_out: an output requires grad (None: never ran); call: the schedule's node."""
+    replica_work: hybrid's sum across groups; worker, updated, d2h, h2d: offload's thread, its update done,
+    the events of its copies (Copies) to the host and back; grad_out: an output requires grad (None: never
+    ran); call: the schedule's node."""
 
     def __init__(self, index, module, name, flats, plan, net, is_root):
         self.index, self.module, self.name, self.flats, self.is_root = index, module, name, flats, is_root
         self.plan, self.net, self.params = plan, net, [p for f in flats for p in f.params]
         self.train = next((f for f in flats if f.trainable), None)
         self.phase, self.works, self.keep, self.reduced = WHOLE, [], False, False
-        self.grad_out = self.call = self.replica_work = self.worker = self.h2d = None
+        self.grad_out = self.call = self.replica_work = self.worker = self.d2h = self.h2d = None
         self.updated = threading.Event()
         self.updated.set()
 
@@ -884,7 +938,7 @@ class Unit:
         for i, (p, o) in enumerate(zip(f.params, f.offsets)):
             if i not in f.written:
                 g[o:o + p.numel()].zero_()
-        g[f.numel:].zero_()
+        g.index_fill_(0, f.gaps, 0)         # and the gaps between parameters: torch.empty's, never written
         f.grad, f.written, self.reduced = g, set(range(len(f.params))), True
         g.mul_(1.0 / plan.divide[0])
         if plan.shards_optim:
@@ -915,32 +969,33 @@ class Unit:
                 self.to_host(dev)
 
     def to_host(self, dev):
-        # once a step (the paper's minimal traffic); the norm first, so that the step need not wait
+        # once a step (the paper's minimal traffic); the norm first, on the compute stream, so that the step
+        # need not wait; the copy on a stream of its own, which the host update waits for
         self.train.norm = torch.linalg.vector_norm(dev, dtype=torch.float32) ** 2
-        self.train.grad_shard.copy_(dev, non_blocking=self.plan.pin)
+        self.d2h = self.worker.copies.to_host(self.train.grad_shard, dev)
         self.net.count("d2h", dev.numel(), dev.element_size())
 
     def sq_norm(self):
-        return self.train.norm if self.plan.offload else \
-            torch.linalg.vector_norm(self.train.grad_shard, dtype=torch.float32) ** 2
+        if self.plan.offload:
+            return self.train.norm
+        g = self.train.grad_shard
+        if self.plan.shards_optim:
+            return torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        # stage 0: the whole gradient's as the sum over the slices stages 1-3 own, in fp64 as theirs is: the
+        # norm's rounding, which the clip carries into every update, does not depend on the stage
+        pieces = [torch.linalg.vector_norm(p, dtype=torch.float32) ** 2 for p in g.view(self.plan.shards, -1)]
+        return torch.stack(pieces).double().sum()
 
-    def update(self, mult, runs, d2h=None):
+    def update(self, mult, runs):
         # AdamW on the owned slice; no collective (offload: on its thread; the next forward gathers)
         assert self.phase == FREED or not self.plan.shards_params, f"{self.name} is whole across an update"
         f, st = self.train, self.train.state
-        for event in (d2h, self.h2d):       # the gradient on the host; last copy out of staging done
-            if event is not None:
-                event.synchronize()
+        if self.worker is not None:         # its gradient on the host; the last copy out of staging done
+            self.worker.copies.wait(self.d2h, self.h2d)
         out = f.staging if f.staging is not None else f.out
-        for a, b, lr, b1, b2, eps, wd, step in runs:
-            adamw_step(st["master"][a:b], f.grad_shard[a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], step,
-                       lr, b1, b2, eps, wd, grad_mult=mult, out=None if out is None else out[a:b])
+        adamw_runs(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], runs, mult, out)
         if f.staging is not None:           # runs only: a parameter without a gradient keeps its value
-            for a, b, *_ in runs:
-                f.out[a:b].copy_(f.staging[a:b], non_blocking=True)
-            if f.out.is_cuda:               # the next forward waits for this, not for the thread
-                self.h2d = torch.cuda.Event()
-                self.h2d.record()
+            self.h2d = self.worker.copies.to_device([(f.out[a:b], f.staging[a:b]) for a, b, *_ in runs])
 
 
 def _regather(units):
@@ -1493,10 +1548,10 @@ class Zero:
         self.plan = plan = Plan.of(cfg, net)
         self.rank, self.world, self.device, self.dtype = net.rank, net.world, net.device, plan.dtype
         # steps applied (an fp16 overflow skips one), the last norm, clip_grad_norm_'s max_norm, which
-        # parameters got a gradient; offload: the update thread, on CUDA an event after the D2H copies
+        # parameters got a gradient; offload: the update thread
         self.scaler, self.step_count, self.grad_norm = LossScaler(cfg), 0, 0.0
-        self.clip = self.got = self.worker = self.d2h = None
-        # meta tensors nothing initialized; offload on CUDA: kind -> [pinned block, used]; the last ledger
+        self.clip = self.got = self.worker = None
+        # meta tensors nothing initialized; offload on CUDA: kind -> [block, used, pinned]; the last ledger
         self.unfilled, self.pinned, self.last_comm = set(), {}, {}
         self.names = {id(m): n for n, m in self.module.named_modules()}
         # each parameter, by identity (a tied weight has several names), to the one unit that holds it
@@ -1613,15 +1668,20 @@ class Zero:
                 m._buffers[n] = self.placed[id(b)]
 
     def _state(self, kind, n, dtype=torch.float32, src=None):
-        # shard state, zeros or src's copy. Offload on CUDA carves it from one block per kind, registered with
-        # CUDA at its size: torch's pinned allocator rounds up to a power of two (and it cannot be swapped)
-        if not self.plan.pin:
+        # shard state, zeros or src's copy. Offload on CUDA pins what crosses the bus each step (PINNED;
+        # master and moments stay pageable), carved from one block per kind registered at its size: torch's
+        # pinned allocator rounds up to a power of two (and it cannot be swapped)
+        if not (self.plan.pin and kind in PINNED):
             t = torch.empty(n, dtype=dtype, device=self.plan.host)
         else:
             if kind not in self.pinned:
-                block = torch.empty(sum(u.train.hi - u.train.lo for u in self.units if u.train), dtype=dtype)
-                self.pinned[kind] = [_pinned(block), 0]
-            block, used = self.pinned[kind]
+                total = sum(u.train.hi - u.train.lo for u in self.units if u.train)
+                block, pinned = _pinned_block(total, dtype)
+                if not pinned and all(p for _, _, p in self.pinned.values()):   # the first refusal only
+                    warnings.warn("zero: CUDA did not pin the offload's host buffers (cudaHostRegister "
+                                  "refused; see ulimit -l): they stay pageable, their copies synchronous")
+                self.pinned[kind] = [block, 0, pinned]
+            block, used, _ = self.pinned[kind]
             t, self.pinned[kind][1] = block[used:used + n], used + n
         return t.copy_(src) if src is not None else t.zero_()
 
@@ -1750,9 +1810,6 @@ class Zero:
         trained = [u for u in self.units if u.train]
         for u in trained:
             u.finish_replica()
-        if plan.pin:                        # the worker waits for the gradient shards' copies to the host
-            self.d2h = torch.cuda.Event()
-            self.d2h.record()
         # one fp64 all-reduce (exact for these integers) agrees on: the squared gradient norm (inf or nan:
         # overflow), the fingerprint of each rank's collectives and calls with its squares, the units kept
         # whole, the parameters with a gradient on any rank
@@ -1808,7 +1865,7 @@ class Zero:
             # others' slices are last step's; the 16-bit slices go to the device
             jobs = []
             for u in (u for u in [self.root, *self.sched.order] if u is not None and u.train):
-                jobs.append((u, functools.partial(u.update, mult, runs[u.index], self.d2h)))
+                jobs.append((u, functools.partial(u.update, mult, runs[u.index])))
                 if plan.regathers and u.phase == WHOLE:
                     u.reshard()
                 self.net.count("h2d", u.train.hi - u.train.lo, u.train.flat.element_size())
@@ -1873,7 +1930,8 @@ class Zero:
 
     def memory(self):
         """Bytes of model state this rank holds, by kind, on the device and the host, from the tensors'
-        storages, each once (on a CPU-only machine "device" and "host" are one memory, split by role)."""
+        storages, each once (on a CPU-only machine "device" and "host" are one memory, split by role); of the
+        host's, pinned_memory() says what is pinned."""
         out = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
                for w in ("device", "host")}
         seen, host = set(), "host" if self.cfg.offload else "device"
@@ -1887,6 +1945,15 @@ class Zero:
                 if st is not None and st.nbytes() and st.data_ptr() not in seen:   # views share a storage
                     seen.add(st.data_ptr())
                     out[where if f.trainable else "device"][kind if f.trainable else "frozen"] += st.nbytes()
+        return out
+
+    def pinned_memory(self):
+        """The host bytes of memory() that CUDA has page-locked, by kind: with offload on CUDA the gradient
+        shard (grads) and the 16-bit staging copy (params), which cross the bus every step; nothing else."""
+        out = dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
+        for kind, (block, used, pinned) in self.pinned.items():
+            if pinned:
+                out[PINNED[kind]] += used * block.element_size()
         return out
 
     def num_params(self, padded=False, frozen=False):
@@ -1948,6 +2015,59 @@ class Zero:
 LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys wrong_shapes")
 
 
+class Copies:
+    """Offload's copies between the device and the host, the one place with CUDA streams and events. On CUDA a
+    gradient shard goes to the host on a stream of its own once the current stream's work so far (its
+    reduction) is done, and the host update waits for that unit's copy alone; the updated 16-bit slices come
+    back on another, which the next forward's stream waits for. On a CPU: plain copies in order, no events."""
+
+    def __init__(self, device):
+        cuda = device.type == "cuda"
+        self.d2h = torch.cuda.Stream(device) if cuda else None     # gradient shards to the host
+        self.h2d = torch.cuda.Stream(device) if cuda else None     # updated slices back to the device
+
+    def to_host(self, dst, src):
+        # dst (pinned) <- src after the current stream's work so far; the event to wait for before reading dst
+        if self.d2h is None:
+            dst.copy_(src)
+            return None
+        self.d2h.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+        # src is a slice of f.grad (dropped right after at stages 2-3) or of f.acc: its memory is not handed
+        # out again before this stream's copy has read it
+        src.record_stream(self.d2h)
+        return self._event(self.d2h)
+
+    def to_device(self, pairs):
+        # each (dst, src) copied from the host; the event the device's next use of dst waits for
+        if self.h2d is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.h2d):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        return self._event(self.h2d)
+
+    @staticmethod
+    def _event(stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(*events):                      # the host waits: a copy to it landed, one from it has read it
+        for event in events:
+            if event is not None:
+                event.synchronize()
+
+    @staticmethod
+    def order(event):                       # the current stream's later work waits; the host does not
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
 class HostWorker:
     """ZeRO-Offload's update thread: one step's jobs (unit, fn) in the forward's order while the caller goes
     on to the next forward, which waits only for the unit it is about to run. A failure is raised in the
@@ -1955,6 +2075,7 @@ class HostWorker:
 
     def __init__(self, device, timeout_s):
         self.jobs, self.error, self.timeout = queue.Queue(), None, timeout_s
+        self.copies = Copies(device)        # its units' copies to the host and back
         self.thread = threading.Thread(target=self._run, args=(device,), daemon=True,
                                        name="zero-offload-adam")
         self.thread.start()
@@ -1966,13 +2087,10 @@ class HostWorker:
         self.jobs.put(jobs)
 
     def _run(self, device):
-        # on CUDA the copies to the device go on a stream of their own, not behind the forward's kernels
-        cuda = device.type == "cuda"
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.set_device(device)   # the current GPU is per thread
-        with torch.cuda.stream(torch.cuda.Stream(device)) if cuda else contextlib.nullcontext():
-            while self._do(self.jobs.get()):
-                pass
+        while self._do(self.jobs.get()):
+            pass
 
     def _do(self, jobs):
         # one step's jobs, none referenced here after (the engine can be freed); a failure is the caller's
@@ -1991,8 +2109,7 @@ class HostWorker:
         if self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError("zero: the offload update failed") from err
-        if u.h2d is not None:
-            torch.cuda.current_stream().wait_event(u.h2d)
+        self.copies.order(u.h2d)
 
     def close(self):
         # the jobs queued before are done first; bounded, so that a hung update cannot hang the exit
@@ -2008,17 +2125,38 @@ def _mismatch(what, missing, unexpected, shapes):
         raise ValueError(f"zero: {what} " + "; ".join(parts))
 
 
-def _pinned(block):
-    # block registered with CUDA as it is (unregistered when freed), or, refused, a copy from torch's pinned
-    # allocator, rounded up; the refusal's CUDA error is cleared, or the next kernel reports it
-    cudart = torch.cuda.cudart()
-    if cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 0) == 0:
-        weakref.finalize(block, cudart.cudaHostUnregister, block.data_ptr())
-        return block
-    with contextlib.suppress(OSError, AttributeError):
-        v = next((v for v in ("12", "13", "11") if torch.version.cuda.startswith(v)), None)
-        ctypes.CDLL("libcudart.so" + (f".{v}" if v else "")).cudaGetLastError()
-    return block.pin_memory()
+PINNED = {"grad_shard": "grads", "staging": "params"}   # offload's state that is pinned: memory()'s kind
+
+
+def _pinned_block(n, dtype):
+    # n elements of host memory on pages of their own (an anonymous mapping: page-aligned, whole pages, so
+    # that no two blocks share a page, which CUDA would refuse to register twice), page-locked with CUDA until
+    # the block is dropped. Returns the block and whether CUDA pinned it (if not, it is pageable)
+    nbytes = n * dtype.itemsize
+    if not nbytes:
+        return torch.empty(0, dtype=dtype), True
+    pages = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
+    block = torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype)   # (it holds the mapping)
+    if not _host_register(block.data_ptr(), len(pages)):
+        return block, False
+    weakref.finalize(block, _host_unregister, block.data_ptr())
+    return block, True
+
+
+def _host_register(ptr, nbytes):
+    # page-locks [ptr, ptr + nbytes) through torch's own binding: True if CUDA did. A refusal leaves CUDA's
+    # last error set, and torch.cuda.cudart() binds no cudaGetLastError (torch 2.4-2.13: GetErrorString,
+    # Profiler*, HostRegister, HostUnregister, StreamCreate/Destroy, MemGetInfo); torch's check after its
+    # next kernel launch would raise it there, so one launched here takes it
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0:
+        return True
+    with contextlib.suppress(RuntimeError):
+        torch.empty(1, device=torch.device("cuda", torch.cuda.current_device())).fill_(1)
+    return False
+
+
+def _host_unregister(ptr):
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def _wide(dtype):
@@ -2057,7 +2195,8 @@ def _aliases(model):
 # Each file is written under a temporary name and renamed into place: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loading slices the layout: any world size and stage loads it.
 
-FORMAT = "zero.py-checkpoint-2"
+FORMAT = "zero.py-checkpoint-3"             # 3: aligned layouts, each buffer's shard size in meta.json
+READS = (FORMAT, "zero.py-checkpoint-2")     # 2: parameters back to back
 
 
 def _write_atomic(path, write):
@@ -2097,7 +2236,7 @@ def save(engine, path, extra=None):
     n_files, s, shards = engine.plan.shards, engine.plan.shard_rank, []
     for i, f in enumerate(flats):
         a = s * (f.padded // n_files) - f.lo
-        b = max(a, min(a + f.padded // n_files, f.numel - f.lo))
+        b = max(a, min(a + f.padded // n_files, f.end - f.lo))
         shards.append({k: v[a:b].to("cpu", torch.float32 if f.trainable else v.dtype).clone()
                        for k, v in f.state.items()} if i % net.replicas == net.replica else None)
     blob = dict(flats=shards, rng=torch.get_rng_state())   # each rank's RNG too: dropout's stream goes on
@@ -2116,7 +2255,7 @@ def save(engine, path, extra=None):
                     scaler=engine.scaler.state_dict(),
                     param_groups=[{k: v for k, v in g.items() if k in GROUP_KEYS or k == "initial_lr"}
                                   for g in engine.optimizer.param_groups],
-                    flats=[dict(numel=f.numel, frozen=not f.trainable, params=[
+                    flats=[dict(numel=f.end, shard=f.padded // n_files, frozen=not f.trainable, params=[
                         dict(name=n, shape=list(p.shape), offset=o, aliases=aliases[id(p)], step=t)
                         for n, p, o, t in zip(f.names, f.params, f.offsets, f.steps)]) for f in flats],
                     state_dict_keys=list(_model_state(engine.module)),
@@ -2151,7 +2290,7 @@ class _Files:
         try:
             with open(os.path.join(path, "meta.json")) as f:
                 self.meta = meta = json.load(f)
-            assert meta.get("format") == FORMAT
+            assert meta.get("format") in READS
         except (ValueError, AssertionError) as e:
             raise ValueError(f"zero: {path}/meta.json is corrupt or of another format; use another "
                              "checkpoint") from e
@@ -2164,9 +2303,10 @@ class _Files:
             if _sha256(fname) != meta["sha256"][f"rank_{r:05d}.pt"]:
                 raise ValueError(f"zero: {fname} is truncated or corrupted (its sha256 does not match "
                                  "meta.json); use an earlier checkpoint")
-        # name -> (flat, offset, shard size at save time, shape) in the saved layout
-        self.saved = {p["name"]: (i, p["offset"], -(-f["numel"] // meta["shards"]), p["shape"])
-                      for i, f in enumerate(meta["flats"]) for p in f["params"]}
+        # name -> (flat, offset, shard size at save time, shape) in the saved layout (format 2 has no gaps and
+        # shards of the unpadded length's share)
+        self.saved = {p["name"]: (i, p["offset"], f.get("shard", -(-f["numel"] // meta["shards"])),
+                                  p["shape"]) for i, f in enumerate(meta["flats"]) for p in f["params"]}
 
     def __call__(self, r):                  # weights_only: a checkpoint is data, never code
         if r not in self.open:
@@ -2294,14 +2434,18 @@ def consolidate(path):
 # estimate` prints the paper's 7.5B-parameter, 64-GPU example.
 
 def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, shard_group=0,
-                    frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1):
+                    frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1, num_tensors=0):
     """The ZeRO paper's model-state bytes per rank: params and grads in the compute dtype (grads in fp32 with
     reduce_dtype="fp32"), fp32 master (none in fp32 compute) and two fp32 Adam moments, each sharded by the
     stage across the shard group; frozen parameters in the compute dtype (frozen_dtype="fp32": in fp32, and
-    at stages 0-2 a compute copy beside them), sharded at stage 3 only."""
+    at stages 0-2 a compute copy beside them), sharded at stage 3 only. num_params as the engine holds them
+    (num_params(padded=True)) is exact; given as the model has them, num_tensors (the trainable tensors)
+    adds the engine's padding at its bound: under 16 bytes before each tensor, N x 16 after each unit."""
     c = Config(stage=stage, dtype=dtype, reduce_dtype=reduce_dtype, frozen_dtype=frozen_dtype).validate()
-    psi, fz, n = num_params, frozen_params, shard_group if stage and shard_group else world_size
+    fz, n = frozen_params, shard_group if stage and shard_group else world_size
     p, master = DTYPES[c.dtype].itemsize, 0 if c.dtype == "fp32" and not offload else 4   # bytes per param
+    align = max(1, 16 // p)                 # elements (see Flat): a unit ends with one of its tensors at most
+    psi = num_params + num_tensors * (align - 1 + n * align - 1)
     g = 4 if c.reduce_dtype else p
     per = [n if stage >= s else 1 for s in range(4)]   # each stage divides one more kind by N
     dev = dict(params=p * psi / per[3], grads=g * psi / per[2], master=master * psi / per[1],

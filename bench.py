@@ -270,7 +270,8 @@ def report_memory(res, psi, world):
         dev, host = m
         est = "—"
         if stage_of(name) is not None:
-            e = zero.estimate_memory(psi, world, stage_of(name), dtype=dtype, offload=name.endswith("+off"))
+            e = zero.estimate_memory(psi, world, stage_of(name), dtype=dtype, offload=name.endswith("+off"),
+                                     device="cpu")   # the gloo ranks' engines are on the CPU
             est = f"{sum(e['device'].values()) / MB:.2f} + {sum(e['host'].values()) / MB:.2f}"
         rows.append([name, dtype] + [f"{(dev.get(k, 0) + host.get(k, 0)) / MB:.2f}" for k in KINDS]
                     + [f"{sum(dev.values()) / MB:.2f}", f"{sum(host.values()) / MB:.2f}", est])
@@ -594,7 +595,7 @@ def report_adam(sizes, rounds):
                 traffic[f"zero.adamw_step{label}"] = nbytes
             for label, g, nbytes in ((", out=bf16", p.grad, 34), (", bf16 grad, out=bf16", g16, 32)):
                 fns[f"torch fused + copy{label}"] = lambda g=g, w=p.data: zero._torch_adamw(
-                    w, g, m, v, 10, *args, 1.0, out)
+                    w, g, m, v, [(0, n, *args, 10)], 1.0, out)
                 traffic[f"torch fused + copy{label}"] = nbytes
         ds = deepspeed_adam([p])
         if callable(ds):
@@ -649,7 +650,7 @@ def report_activations(o):
     for ck in (False, 2, True):
         model = make_gpt(o["tput_preset"], n_embd=o["tput_embd"], n_layer=8)
         eng = zero.Zero(model, zero.Config(stage=0, dtype="bf16", checkpoint=ck, **OPT))
-        xy = batch(model, o["B"], 0)
+        xy = tuple(t.to(eng.device) for t in batch(model, o["B"], 0))   # (one process: CUDA where there is one)
         saved = saved_for_backward(eng, *xy)
         base = base or saved
         rows.append([f"checkpoint={ck}", f"{saved / MB:.1f}", f"{saved / base:.2f}"])
@@ -671,7 +672,7 @@ def report_offload(o):
     for off in (False, True):
         model = make_gpt(o["tput_preset"], n_embd=o["tput_embd"])
         engines[off] = zero.Zero(model, zero.Config(stage=2, dtype="bf16", offload=off, **OPT))
-        xy = batch(model, o["off_B"], 0)
+        xy = tuple(t.to(engines[off].device) for t in batch(model, o["off_B"], 0))
     parts = ("forward", "backward", "step", "iteration")
     t = {(off, part): [] for off in engines for part in parts}
     for r in range(o["rounds"] + 1):  # round 0 warms up

@@ -387,7 +387,8 @@ def main():
         print("config: " + " ".join(f"{k}={v}" for k, v in cfg.items()))
         print(f"model: {n_params / 1e6:.2f}M parameters, vocab {vocab_size} | world {world} on {gpu or device.type} | "
               f"{tokens_per_step:,} tokens/step | tokens train {len(splits['train']):,} val {len(splits['val']):,}")
-        est = zero.estimate_memory(n_params, world, stage, dtype=cfg["dtype"], offload=offload, shard_group=shard_group)
+        est = zero.estimate_memory(n_params, world, stage, dtype=cfg["dtype"], offload=offload, shard_group=shard_group,
+                                   device=device.type)
         mem = engine.memory()
         for where in ("device", "host"):
             print(f"memory/rank {where:6s} engine: {mib(mem[where])} | estimate: {mib(est[where])}")

@@ -2434,13 +2434,15 @@ def consolidate(path):
 # estimate` prints the paper's 7.5B-parameter, 64-GPU example.
 
 def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, shard_group=0,
-                    frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1, num_tensors=0):
+                    frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1, num_tensors=0,
+                    device="cuda"):
     """The ZeRO paper's model-state bytes per rank: params and grads in the compute dtype (grads in fp32 with
     reduce_dtype="fp32"), fp32 master (none in fp32 compute) and two fp32 Adam moments, each sharded by the
     stage across the shard group; frozen parameters in the compute dtype (frozen_dtype="fp32": in fp32, and
     at stages 0-2 a compute copy beside them), sharded at stage 3 only. num_params as the engine holds them
     (num_params(padded=True)) is exact; given as the model has them, num_tensors (the trainable tensors)
-    adds the engine's padding at its bound: under 16 bytes before each tensor, N x 16 after each unit."""
+    adds the engine's padding at its bound: under 16 bytes before each tensor, N x 16 after each unit. Offload
+    on CUDA (device="cuda") also keeps the owned 16-bit slice on the host, pinned, where the update writes it."""
     c = Config(stage=stage, dtype=dtype, reduce_dtype=reduce_dtype, frozen_dtype=frozen_dtype).validate()
     fz, n = frozen_params, shard_group if stage and shard_group else world_size
     p, master = DTYPES[c.dtype].itemsize, 0 if c.dtype == "fp32" and not offload else 4   # bytes per param
@@ -2455,6 +2457,8 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, 
     if offload:     # the gradient shard, master and moments on the host; on the device stage 1's whole
         # gradient, or the shard's sum (accumulation, and hybrid: summed across the shard groups there)
         host.update(grads=g * psi / n, master=dev["master"], optim=dev["optim"])
+        if device == "cuda":                # the staging copy (a CPU engine's host is its device: none)
+            host.update(params=p * psi / n)
         dev.update(master=0, optim=0, grads=dev["grads"] if stage == 1 else
                    g * psi / n if accum_steps > 1 or n < world_size else 0)
     return {w: {k: int(round(v)) for k, v in d.items()} for w, d in (("device", dev), ("host", host))}

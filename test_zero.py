@@ -322,8 +322,16 @@ def reference16(steps, batch, world, cfg, accum=1, skip=(), scales=None, lr=None
 
 
 def _poison_grad(engine):
-    """An inf in this rank's reduced gradient, as an fp16 overflow would leave it."""
-    engine.units[0].train.grad_shard.view(-1)[0] = float("inf")
+    """An inf in this rank's next gradient, as an fp16 overflow would leave it (the step is agreed at the end of
+    the last backward: the inf must be there by then)."""
+    p = engine.units[0].train.params[0]
+
+    def poison(g):
+        handle.remove()
+        g = g.clone()
+        g.view(-1)[0] = float("inf")
+        return g
+    handle = p.register_hook(poison)
 
 
 def _max_rel(a, b):
@@ -1243,9 +1251,9 @@ def _overflow_case(rank, world, stage):
         seen = []
         for s in range(6):                  # steps 1 and 2 overflow, then clean steps go on
             x, y = xs[s, 2 * rank:2 * rank + 2], ys[s, 2 * rank:2 * rank + 2]
-            engine.backward(engine(x, y)["loss"])
             if s in (1, 2) and rank == world - 1:
                 _poison_grad(engine)           # only the last rank overflows
+            engine.backward(engine(x, y)["loss"])
             before, scale = _state(engine), engine.loss_scale
             ok = engine.step()
             unchanged = all(torch.equal(a, b) for a, b in zip(before, _state(engine)))
@@ -3159,7 +3167,7 @@ def _late_escape(rank, world):
             engine.module.blocks[1].late = rank == 1 and s >= 1
             engine.backward(engine(xs[s, 2 * rank:2 * rank + 2], ys[s, 2 * rank:2 * rank + 2]))
             engine.step()
-        out[stage] = dict(sd=engine.full_state_dict(), kept=sorted(engine.sched.keep))
+        out[stage] = dict(sd=engine.full_state_dict(), kept=sorted(i for i in engine.sched.kept if i != engine.root.index))
     return out
 
 
@@ -3807,7 +3815,7 @@ def _late_escape_accum(rank, world):
                 sl = slice(4 * rank + 2 * m, 4 * rank + 2 * m + 2)
                 engine.backward(engine(xs[s, sl], ys[s, sl]))
             engine.step()
-        out[stage] = dict(sd=engine.full_state_dict(), kept=sorted(engine.sched.keep))
+        out[stage] = dict(sd=engine.full_state_dict(), kept=sorted(i for i in engine.sched.kept if i != engine.root.index))
     return out
 
 
@@ -4155,7 +4163,7 @@ def packed_checkpoint(src, dst, world):
     buffer in `world` slices of its unpadded length's share) from one of one rank's (format 3)."""
     d = os.path.join(src, open(os.path.join(src, "latest")).read())
     meta, blob = json.load(open(os.path.join(d, "meta.json"))), torch.load(os.path.join(d, "rank_00000.pt"))
-    assert meta["world_size"] == 1 and meta["format"] == "zero.py-checkpoint-3"
+    assert meta["world_size"] == 1 and meta["format"] == zero.FORMAT
     files = [dict(flats=[], rng=blob["rng"]) for _ in range(world)]
     files[0].update(buffers=blob["buffers"], extra=blob["extra"])
     for f, state in zip(meta["flats"], blob["flats"]):
@@ -4166,6 +4174,7 @@ def packed_checkpoint(src, dst, world):
                 packed[k].append(v[p["offset"]:p["offset"] + n])
             p["offset"], at = at, at + n
         f.pop("shard")
+        f.pop("update")                     # (format 2: every trained buffer's rule was AdamW)
         f["numel"], size = at, -(-at // world)
         for r, blob_r in enumerate(files):
             blob_r["flats"].append({k: torch.cat(v)[r * size:(r + 1) * size].clone() for k, v in packed.items()})
@@ -4220,7 +4229,7 @@ def _torch_path_cases(rank, world, chunk):
                 sched.step()
                 hyper = [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
                 # one call per flat buffer and distinct hyperparameters among the parameters this rank owns a part of
-                want = sum(len({hyper[f.group[i]] for _, _, i in f.segments}) for u in engine.units if u.train
+                want = sum(len({hyper[f.group[i]] for _, _, i in f.pieces}) for u in engine.units if u.train
                            for f in [u.train])
                 per_step.append((len(calls) - before, want, sum(calls[before:])))
             out[(stage, dtype, offload)] = dict(_steps(rank, world, engine, step=step), calls=per_step)
@@ -4566,7 +4575,7 @@ def _cuda_fused_cases(rank, world):
                 ok = engine.step()
                 sched.step()
                 hyper = [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
-                per_step.append((len(calls) - before, sum(len({hyper[u.train.group[i]] for _, _, i in u.train.segments})
+                per_step.append((len(calls) - before, sum(len({hyper[u.train.group[i]] for _, _, i in u.train.pieces})
                                                           for u in engine.units if u.train)))
                 return ok
             out[stage] = dict(_cuda_steps(engine, step=step), calls=per_step, views=(len(views), all(views)))

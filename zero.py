@@ -21,7 +21,7 @@ Sections: 1. Config, Plan  2. Collectives  3. Loss scaler  4. AdamW  5. Flat buf
 import argparse, atexit, collections, contextlib, ctypes, dataclasses, datetime  # noqa: E401
 import functools, hashlib, heapq, itertools, json, math, mmap, os, platform, queue, shutil  # noqa: E401
 import subprocess, tempfile, threading, time, warnings, weakref, zlib  # noqa: E401
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch, torch.distributed as dist, torch.nn as nn  # noqa: E401
 from torch.optim.adamw import adamw as functional_adamw
@@ -318,6 +318,16 @@ class Comm:
         calls, e, b = self.ledger.get(kind, (0, 0, 0))
         self.ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
 
+    def drop_groups(self):                  # at exit: the process groups are destroyed next
+        self.groups = {}
+
+    def new_step(self):
+        # what the step moved, by kind, as comm() reports it; the ledger and the trace start again
+        moved = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.ledger.items()}
+        self.ledger = {}
+        self.trace = []
+        return moved
+
     def count_held(self, nbytes):           # parameter buffer bytes allocated (> 0) or freed (< 0)
         self.held += nbytes
         self.peak = max(self.peak, self.held)
@@ -576,11 +586,13 @@ class LossScaler:
         self.hysteresis_left = sd["hysteresis_left"]
 
 # -----------------------------------------------------------------------------
-# 4. AdamW
+# 4. Update rules: the optimizer table
 #
-# The update is memory-bound on this rank's fp32 slice (master, exp_avg, exp_avg_sq). On CUDA torch's fused
-# AdamW runs it; on the CPU a C kernel (built once into ~/.cache/zero_py; with no compiler, a warning and
-# torch's) does torch's operations in one pass that also reads a bf16 gradient and writes the bf16 weights.
+# An update rule is one entry of RULES: the state it keeps beside each fp32 master, its param group keys,
+# and its step on a Flat's owned slice. AdamW's step is memory-bound on that slice: on CUDA torch's
+# fused AdamW runs it; on the CPU a C kernel (built once into ~/.cache/zero_py; with no compiler, a
+# warning and torch's) does torch's operations in one pass that also reads a bf16 gradient and writes
+# the bf16 weights.
 ADAMW_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -700,13 +712,15 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, w
     if out is not None and out.dtype == torch.float32:   # fp32 compute with offload
         adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult)
         return out.copy_(master)
-    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
-    n, next_block = master.numel(), ctypes.c_int64(0)
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step   # in double, then rounded to float, as torch does
+    n = master.numel()
+    next_block = ctypes.c_int64(0)          # the next block of 2^16 elements a thread takes
+    bc1 = 1 - beta1 ** step                 # in double, then rounded to float, as torch does
+    bc2 = 1 - beta2 ** step
     consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
                                    -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
     kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
-    ptrs = [t.data_ptr() for t in ts] + [None] * (out is None)
+    ptrs = [t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq)]
+    ptrs.append(out.data_ptr() if out is not None else None)
     return _parallel(_cpu_kernel(), n, (kind, n, ctypes.addressof(next_block), *ptrs, consts))
 
 
@@ -716,14 +730,15 @@ def adamw_runs(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None)
     if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
         return _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult, out)
     for a, b, lr, beta1, beta2, eps, weight_decay, step in runs:
+        out_run = out[a:b] if out is not None else None
         adamw_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, lr, beta1, beta2, eps,
-                   weight_decay, grad_mult, None if out is None else out[a:b])
+                   weight_decay, grad_mult, out_run)
 
 
 def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
     # the C kernel's tensors (CPU, fp32 state, an fp32 or bf16 gradient, a bf16 out or an fp32 one copied
     # after, 1-D of one length), and the kernel built
-    ts = [master, grad, exp_avg, exp_avg_sq] + ([] if out is None else [out])
+    ts = [t for t in (master, grad, exp_avg, exp_avg_sq, out) if t is not None]
     takes = (torch.float32, torch.bfloat16)
     if grad.dtype not in takes or out is not None and out.dtype not in takes:
         return False
@@ -742,9 +757,14 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=Non
     if not runs:
         return
     dev = master.device
-    lo, hi = min(r[0] for r in runs), max(r[1] for r in runs)    # the span the runs cover
-    chunk = CONVERT_CHUNK if grad.dtype != torch.float32 and dev.type == "cpu" else hi - lo
-    inv_mult = torch.full((), 1.0 / grad_mult, device=dev) if grad_mult != 1.0 else None   # divides g
+    lo = min(r[0] for r in runs)            # the span the runs cover
+    hi = max(r[1] for r in runs)
+    chunk = hi - lo                         # elements converted at a time (a CPU's 16-bit gradient)
+    if grad.dtype != torch.float32 and dev.type == "cpu":
+        chunk = CONVERT_CHUNK
+    inv_mult = None                         # what the kernel divides the gradient by
+    if grad_mult != 1.0:
+        inv_mult = torch.full((), 1.0 / grad_mult, device=dev)
     groups = {}
     for a, b, *hyper, step in runs:
         groups.setdefault(tuple(hyper), []).append((a, b, step))
@@ -775,6 +795,35 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=Non
             out[a:b].copy_(master[a:b])
 
 
+def _adamw(f, runs, groups, mult, out):
+    # AdamW on a Flat's owned slice, each run (a, b, group, step) with its group's values as they are now
+    hyper = []
+    for a, b, j, step in runs:
+        g = groups[j]
+        hyper.append((a, b, g["lr"], *g["betas"], g["eps"], g["weight_decay"], step))
+    st = f.state
+    adamw_runs(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], hyper, mult, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """An update rule: all the engine knows of an optimizer, in one place. Its state is fp32, 4 bytes a
+    parameter per name in `states`; a new elementwise optimizer is one entry and its step function."""
+    name: str                       # a param group's "update"; a checkpoint records it per buffer
+    states: tuple                   # the state beside the fp32 master, each the owned slice's size
+    keys: tuple                     # the param group keys it reads, besides "params" and "update"
+    defaults: object                # Config -> the values of those keys, for groups that omit them
+    step: object                    # step(flat, runs, groups, mult, out): the owned slice updated
+
+
+def _adamw_defaults(cfg):
+    return dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+RULES = {"adamw": Rule("adamw", ("exp_avg", "exp_avg_sq"), ("lr", "betas", "eps", "weight_decay"),
+                       _adamw_defaults, _adamw)}
+
+
 # -----------------------------------------------------------------------------
 # 5. Flat buffers and units
 #
@@ -788,14 +837,17 @@ def find_units(model):
 
 
 class Flat:
-    """A unit's trainable, or its frozen, parameters as views into one flat buffer, padded to equal
-    shards for the collectives that move it; build() fills it and makes the states beside it."""
+    """A unit's trainable parameters of one update rule, or its frozen ones, as views into one flat
+    buffer padded to equal shards for the collectives that move it. build() fills it and makes the
+    tensors beside it (TENSORS: what memory() counts each as); its methods are their only writers."""
 
-    def __init__(self, named_params, trainable, plan, sharded, dtype=None):
-        self.trainable = trainable          # holds the unit's trainable parameters, or frozen ones
+    def __init__(self, named_params, plan, rule=None, groups=None, sharded=False, dtype=None):
+        self.plan = plan                    # what the stage keeps, and where
+        self.rule = rule                    # the update rule of its parameters (None: frozen)
+        self.trainable = rule is not None   # holds trainable parameters, or frozen ones
         self.dtype = dtype or plan.dtype    # the buffer's: the compute dtype, or a non-float's own
         # frozen floats held in fp32 (Config.frozen_dtype), cast to the compute dtype when gathered
-        self.cast = dtype is None and not trainable and plan.frozen_fp32
+        self.cast = dtype is None and rule is None and plan.frozen_fp32
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         sizes = [p.numel() for p in self.params]
@@ -814,41 +866,46 @@ class Flat:
         gaps = [torch.arange(e, s) for e, s in zip(ends, self.offsets[1:] + [self.padded])]
         self.gaps = torch.cat(gaps).to(plan.device)     # the elements no parameter holds: zeros
         # the slice this rank owns, [lo, hi): one of plan.shards, or all (stage 0; frozen at 1-2)
-        rank, size = 0, self.padded
+        size = self.padded
+        self.lo = 0
         if sharded:
-            rank, size = plan.shard_rank, self.padded // plan.shards
-        self.lo = rank * size
+            size = self.padded // plan.shards
+            self.lo = plan.shard_rank * size
         self.hi = self.lo + size
-        self.segments = []                  # (a, b, i): parameter i's owned piece [a, b), from lo
+        self.pieces = []                    # (a, b, i): parameter i's owned piece [a, b), from lo
         for i, (o, e) in enumerate(zip(self.offsets, ends)):
-            a, b = max(o, self.lo), min(e, self.hi)
-            if a < b:
-                self.segments.append((a - self.lo, b - self.lo, i))
+            if max(o, self.lo) < min(e, self.hi):
+                self.pieces.append((max(o, self.lo) - self.lo, min(e, self.hi) - self.lo, i))
         # per parameter
-        self.steps = [0] * len(sizes)       # AdamW's steps
-        self.group = [0] * len(sizes)       # the param group
+        self.steps = [0] * len(sizes)       # the rule's steps (AdamW's bias correction)
+        self.group = list(groups or [0] * len(sizes))   # its param group
         self.written = set()                # those whose gradient is in grad
-        self.got = set()                    # those whose gradient came this step
+        self.got = set()                    # those whose gradient came since the last step
         # what build() makes
         self.flat = None                    # the buffer (stage 3 frees its storage between uses)
         self.owned = None                   # this rank's values: flat[lo:hi], or shard
         self.shard = None                   # stage 3: them, kept (frozen fp32: None)
-        # checkpointed: master (fp32; frozen: as held), exp_avg, exp_avg_sq (offload: on the host)
+        # checkpointed: master (fp32; frozen: as held), then the rule's states (offload: host)
         self.state = {}
         self.out = None                     # where an update writes (None: the master is owned)
         self.grad = None                    # the whole gradient (stages 2-3: while reduced)
         self.grad_shard = None              # its reduced owned slice (offload: on the host)
         self.acc = None                     # offload, stages 2-3: that summed over micro-batches
-        self.norm = None                    # offload: its squared norm
         self.staging = None                 # offload on CUDA: the pinned slice updates write first
+        self.norm = None                    # offload: the squared norm of what went to the host
+        self.d2h_event = None               # offload on CUDA: its copy to the host done ...
+        self.h2d_event = None               # ... and the updated slice's copy back
 
-    def build(self, full, plan, state):
+    def build(self, full, state):
         """The buffers from `full`, the fp32 values (or the frozen ones' own); state(kind, n, dtype,
-        src) makes host state. Returns the frozen parameters that the compute dtype changes."""
+        src) makes shard state where TENSORS puts it. Returns the frozen parameters that the compute
+        dtype changes."""
+        plan = self.plan
         self.flat = full.to(self.dtype)
         for p, o in zip(self.params, self.offsets):
             p.data = self.flat[o:o + p.numel()].view(p.shape)
-        mine, n = full[self.lo:self.hi], self.hi - self.lo
+        mine = full[self.lo:self.hi]
+        n = self.hi - self.lo
         self.owned = self.flat[self.lo:self.hi]
         if plan.shards_params and self.cast:
             self.owned = None               # stage 3 keeps the master alone
@@ -861,8 +918,8 @@ class Flat:
         if self.trainable:
             if not plan.master_is_param:    # fp32 apart from the 16-bit (or offloaded) parameters
                 self.state["master"] = state("master", n, src=mine)
-            self.state["exp_avg"] = state("exp_avg", n)
-            self.state["exp_avg_sq"] = state("exp_avg_sq", n)
+            for k in self.rule.states:
+                self.state[k] = state(k, n)
             if not plan.shards_grads:       # the whole gradient stays; stage 1 owns a slice of it
                 self.grad = torch.zeros(self.padded, dtype=plan.grad_dtype, device=plan.device)
                 self.grad_shard = self.grad[self.lo:self.hi]
@@ -872,66 +929,168 @@ class Flat:
                 self.acc = torch.zeros(n, dtype=plan.grad_dtype, device=plan.device)
             if plan.pin:
                 self.staging = state("staging", n, plan.dtype)
-        self.out = self.owned
-        if self.state["master"] is self.owned:
-            self.out = None
+        if self.state["master"] is not self.owned:
+            self.out = self.owned
         if self.trainable or self.cast or not self.dtype.is_floating_point:
             return []
         return [name for name, p, o in zip(self.names, self.params, self.offsets)
                 if not torch.equal(full[o:o + p.numel()], self.flat[o:o + p.numel()].float())]
 
-    def runs(self, used, hyper):
-        # one AdamW call per run of adjacent parameters with a gradient, the same group and steps
+    def held(self):
+        # (tensor, memory()'s kind, "device" or "host") of each tensor it has now
+        out = []
+        for name, (kind, offloaded) in TENSORS.items():
+            t = getattr(self, name)
+            if t is not None:
+                out.append((t, kind, "host" if offloaded and self.plan.offload else "device"))
+        for k, t in self.state.items():
+            kind = "master" if k == "master" else "optim"
+            out.append((t, kind, "host" if self.plan.offload else "device"))
+        if not self.trainable:              # frozen: on the device, whatever its role
+            return [(t, "frozen", "device") for t, _, _ in out]
+        return out
+
+    # -- the gradient, from autograd's .grad to the reduced owned slice
+    def take_grad(self, i, p):
+        # parameter i's .grad into the whole gradient at once (stages 2-3: this micro-batch's only)
+        if self.grad is None:
+            self.grad = torch.empty(self.padded, dtype=self.plan.grad_dtype, device=self.plan.device)
+        o = self.offsets[i]
+        dst = self.grad[o:o + p.numel()]
+        with torch.no_grad():
+            if i in self.written:           # summed with the one already there
+                dst.add_(p.grad.view(-1))
+            else:
+                dst.copy_(p.grad.view(-1))
+        self.written.add(i)
+        self.got.add(i)
+        p.grad = None
+
+    def to_reduce(self):
+        # the whole gradient as the reduction takes it: zero where none came (not last window's) and
+        # in the gaps (torch.empty's), divided by the part of the mean that comes before the sum
+        if self.grad is None:
+            self.grad = torch.zeros(self.padded, dtype=self.plan.grad_dtype, device=self.plan.device)
+        for i, (p, o) in enumerate(zip(self.params, self.offsets)):
+            if i not in self.written:
+                self.grad[o:o + p.numel()].zero_()
+        self.grad.index_fill_(0, self.gaps, 0)
+        self.written = set(range(len(self.params)))
+        return self.grad.mul_(1.0 / self.plan.divide[0])
+
+    def reduced(self, micro):
+        # the reduced owned slice summed over micro-batches, on the device: the gradient shard, or
+        # with offload the accumulator (or this micro-batch's alone); stages 2-3 free the whole one
+        plan = self.plan
+        mine = self.grad[self.lo:self.hi]
+        dev = self.acc
+        if dev is None and plan.offload:
+            dev = mine
+        elif dev is None:
+            dev = self.grad_shard
+        if plan.shards_grads and dev is not mine and micro == 0:
+            dev.copy_(mine)
+        elif plan.shards_grads and dev is not mine:
+            dev.add_(mine)
+        if plan.shards_grads:
+            self.grad = None
+            self.written = set()
+        return dev
+
+    def to_host(self, dev, copies):
+        # offload, once a step (the paper's minimal traffic): the squared norm first, on the compute
+        # stream, which the step reads; then the copy, on a stream the host update waits for
+        self.norm = torch.linalg.vector_norm(dev, dtype=torch.float32) ** 2
+        self.d2h_event = copies.to_host(self.grad_shard, dev)
+
+    def sq_norm(self):
+        # the squared norm of the gradient slice this rank owns
+        if self.plan.offload:
+            return self.norm
+        if self.plan.shards_optim:
+            return torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32) ** 2
+        # stage 0: the whole gradient's as the sum over the slices stages 1-3 own, in fp64 as theirs
+        # is: the norm's rounding, which the clip carries into every update, is every stage's
+        pieces = [torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+                  for g in self.grad_shard.view(self.plan.shards, -1)]
+        return torch.stack(pieces).double().sum()
+
+    # -- the step
+    def new_window(self):                   # the step is agreed: the next accumulation starts
+        self.written = set()
+        self.got = set()
+
+    def step_runs(self, used):
+        # `used`, per parameter, whether a rank had its gradient: their step counts advance (the rest
+        # are left alone, as torch's optimizers leave them). Returns the rule's calls, one per run of
+        # adjacent parameters with a gradient, the same group and step count: (a, b, group, step)
+        self.steps = [step + bool(g) for step, g in zip(self.steps, used)]
         runs = []
-        for a, b, i in (seg for seg in self.segments if used[seg[2]]):
-            key = (self.group[i], self.steps[i])
-            if runs and runs[-1][1:] == [a, key]:
+        for a, b, i in self.pieces:
+            key = [self.group[i], self.steps[i]]
+            if not used[i]:
+                continue
+            if runs and runs[-1][1] == a and runs[-1][2:] == key:
                 runs[-1][1] = b
             else:
-                runs.append([a, b, key])
-        return [(a, b, *hyper[g], step) for a, b, (g, step) in runs]
+                runs.append([a, b, *key])
+        return [tuple(r) for r in runs]
+
+    def set_steps(self, steps):
+        self.steps = list(steps)
+
+    def update(self, runs, groups, mult, copies):
+        # the rule's step on the owned slice; offload on CUDA writes the pinned staging copy first,
+        # then copies the runs to the device (a parameter without a gradient keeps its value)
+        if copies is not None:              # its gradient on the host; the last copy out of staging
+            copies.sync(self.d2h_event, self.h2d_event)
+        out = self.out
+        if self.staging is not None:
+            out = self.staging
+        self.rule.step(self, runs, groups, mult, out)
+        if self.staging is not None:
+            self.h2d_event = copies.to_device([(self.out[a:b], self.staging[a:b]) for a, b, _, _ in runs])
 
 
-FREED, GATHERING, WHOLE = "freed", "gathering", "whole"     # a unit's phases
+# Flat's tensors beside the state: memory()'s kind, and whether offload holds them on the host
+TENSORS = {"flat": ("params", False), "shard": ("params", False), "grad": ("grads", False),
+           "acc": ("grads", False), "grad_shard": ("grads", True), "staging": ("params", True)}
+FREED, STALE, GATHERING, WHOLE = "freed", "stale", "gathering", "whole"     # a unit's phases
 
 
 class Unit:
     """A block (an element of the outermost ModuleList) or the root (the rest): its Flats and their
-    lifecycle, FREED (stage 3 between uses; offload at stages 1-2: others' slices stale) ->
-    GATHERING -> WHOLE. The root and units with a parameter used outside their forward (keep) stay
-    WHOLE to the backward's end."""
+    phases, FREED (stage 3: storage released) or STALE (values not this step's: stages 1-2 after an
+    update, offload) -> GATHERING (all-gathers in flight) -> WHOLE. The root, and a unit with a
+    parameter used outside its forward, are held WHOLE until the backward that needs them ends."""
 
-    def __init__(self, index, module, name, flats, plan, net, is_root):
+    def __init__(self, index, module, name, flats, plan, net, worker, is_root):
         self.index = index                  # its place in the engine's units
         self.module = module
         self.name = name                    # the module's, for messages
-        self.flats = flats                  # the trainable Flat, then the frozen ones
+        self.is_root = is_root              # the model's parameters outside every block
+        self.flats = flats                  # the trainable Flats (one per rule), then the frozen
         self.plan = plan
         self.net = net                      # the engine's Comm
-        self.is_root = is_root              # the model's parameters outside every block
+        self.worker = worker                # offload: the HostWorker that updates it
         self.params = [p for f in flats for p in f.params]
-        self.train = next((f for f in flats if f.trainable), None)  # None: all frozen
-        # the Flats a gather fills: stage 3's all, stages 1-2's trainable one (updates change it)
+        self.trains = [f for f in flats if f.trainable]
+        self.train = None                   # the first trainable Flat (None: all frozen)
+        if self.trains:
+            self.train = self.trains[0]
+        # the Flats a gather fills: stage 3's all, stages 1-2's trainable ones (updates change them)
         self.to_gather = [f for f in flats if f.trainable or plan.shards_params]
-        self.phase = WHOLE                  # FREED, GATHERING or WHOLE
+        self.phase = WHOLE                  # FREED, STALE, GATHERING or WHOLE
         self.works = []                     # the all-gathers in flight (GATHERING)
-        self.keep = False                   # a parameter used outside its forward: kept WHOLE
-        self.reduced = False                # the micro-batch's reduction launched
-        self.replica_work = None            # hybrid: (gradient, work) summing it across groups
-        self.grad_out = None                # an output requires grad (None: never ran)
-        self.call = None                    # its last forward's node in the schedule
-        # offload
-        self.worker = None                  # the HostWorker that updates it
-        self.updated = threading.Event()    # its host update done
-        self.updated.set()
-        self.d2h = None                     # the event of its gradient's copy to the host ...
-        self.h2d = None                     # ... and of its updated values' back (Copies)
+        self.held = is_root                 # kept WHOLE through the backward: free() says until when
+        self.replica_works = []             # hybrid: (flat, gradient, work) summing across groups
+        self.updating = None                # offload: the Future of its host update
 
+    # -- the phases
     def unshard(self, wait=True):
         # all-gathers launched (stage 3: from the shards; offload: the host update's), then waited
-        if self.phase == FREED:
-            if self.worker:
-                self.worker.wait(self)
+        if self.phase in (FREED, STALE):
+            self.wait_update()
             for f in self.to_gather:
                 st = f.flat.untyped_storage()
                 if self.plan.shards_params and not st.nbytes():
@@ -964,8 +1123,21 @@ class Unit:
         self.phase = FREED
         self.mark(True)
 
+    def free(self, pending):
+        """The one rule of when a unit's whole parameters go (stage 3): after each use, unless it is
+        held (the root; a parameter escaped its forward) and a backward that needs it is `pending`.
+        The step frees with pending=False, so nothing is whole across an update."""
+        if not self.plan.shards_params or self.phase in (FREED, STALE):
+            return
+        if self.held and pending:
+            return
+        if self.phase == GATHERING:         # a gather in flight finishes first
+            self.unshard()
+        self.reshard()
+
     def stale(self):                        # the owned slices changed: gather before the next use
-        self.phase = FREED
+        self.phase = STALE
+        self.mark(True)
         return self
 
     def mark(self, freed):
@@ -977,122 +1149,87 @@ class Unit:
             if type(p) in (nn.Parameter, _Sharded):
                 p.__class__ = _Sharded if freed else nn.Parameter
 
-    def release(self):                      # stage 3: done with for now, and not kept whole
-        if self.plan.shards_params and self.phase == WHOLE and not self.keep and not self.is_root:
-            self.reshard()
-
     def hold(self):
-        self.keep = True
+        self.held = True
+
+    def drop_works(self):                   # at exit, once they finished
+        self.works = []
 
     def in_turn(self, agreed):
-        # kept whole on this rank alone (a parameter escaped since the ranks agreed): gathered in
-        # turn, as the ranks that freed it do
-        if self.plan.shards_params and self.phase == WHOLE and self.keep and not agreed:
-            self.phase = FREED
+        # held whole on this rank alone (a parameter escaped since the ranks agreed): gathered in
+        # turn, as the ranks that freed it gather it
+        if self.plan.shards_params and self.phase == WHOLE and self.held and not agreed:
+            self.phase = STALE
         return self
 
-    def take_grad(self, i, p):
-        # autograd's .grad into the flat one at once (stages 2-3: one for this micro-batch only)
-        f = self.train
-        if f.grad is None:
-            f.grad = torch.empty(f.padded, dtype=self.plan.grad_dtype, device=self.plan.device)
-        o = f.offsets[i]
-        dst = f.grad[o:o + p.numel()]
-        with torch.no_grad():
-            if i in f.written:              # summed with the one already there
-                dst.add_(p.grad.view(-1))
-            else:
-                dst.copy_(p.grad.view(-1))
-        f.written.add(i)
-        f.got.add(i)
-        p.grad = None
-
+    # -- the reduction
     def reduce(self):
-        # stage 0 all-reduces, the rest reduce-scatter; unused gradients are zero, not last
-        # window's; part of the mean before the sum, the rest in the step
-        f = self.train
-        if f.grad is None:
-            f.grad = torch.zeros(f.padded, dtype=self.plan.grad_dtype, device=self.plan.device)
-        g = f.grad
-        for i, (p, o) in enumerate(zip(f.params, f.offsets)):
-            if i not in f.written:
-                g[o:o + p.numel()].zero_()
-        g.index_fill_(0, f.gaps, 0)         # and the gaps: torch.empty's, never written
-        f.written = set(range(len(f.params)))
-        self.reduced = True
-        g.mul_(1.0 / self.plan.divide[0])
-        if self.plan.shards_optim:
-            return self.net.reduce_scatter(g[f.lo:f.hi], g, sync=False, tag=self.index)
-        return self.net.all_reduce(g, "shard", kind="all_reduce", sync=False, tag=self.index)
+        # each trainable Flat's gradient: stage 0 all-reduces it, the rest reduce-scatter it
+        works = []
+        for f in self.trains:
+            g = f.to_reduce()
+            if self.plan.shards_optim:
+                works.append(self.net.reduce_scatter(g[f.lo:f.hi], g, sync=False, tag=self.index))
+            else:
+                works.append(self.net.all_reduce(g, "shard", "all_reduce", False, self.index))
+        return works
 
-    def finish_reduce(self, work, micro):
-        # summed over micro-batches; the last: hybrid sums across groups, offload sends it off
-        self.net.wait(work)
-        f = self.train
+    def finish_reduce(self, works, micro):
+        # the reductions awaited and summed over micro-batches; in the step's last, hybrid sums
+        # across groups, offload sends the sum to the host
         last = micro == self.plan.accum - 1 or not self.plan.shards_grads
-        mine = f.grad[f.lo:f.hi]
-        dev = f.acc                         # the sum on the device: offload's accumulator, ...
-        if dev is None and self.plan.offload:
-            dev = mine                      # ... this micro-batch's alone, ...
-        elif dev is None:
-            dev = f.grad_shard              # ... or the gradient shard
-        if self.plan.shards_grads and dev is not mine and micro == 0:
-            dev.copy_(mine)
-        elif self.plan.shards_grads and dev is not mine:
-            dev.add_(mine)
-        if last and self.plan.replicas > 1:
-            work = self.net.all_reduce(dev, "replica", "replica_all_reduce", False, self.index)
-            self.replica_work = dev, work
-        elif last and self.plan.offload:
-            self.to_host(dev)
-        if self.plan.shards_grads:
-            f.grad = None
-            f.written = set()
+        for f, work in zip(self.trains, works):
+            self.net.wait(work)
+            dev = f.reduced(micro)
+            if last and self.plan.replicas > 1:
+                work = self.net.all_reduce(dev, "replica", "replica_all_reduce", False, self.index)
+                self.replica_works.append((f, dev, work))
+            elif last and self.plan.offload:
+                self.to_host(f, dev)
 
     def finish_replica(self):
-        # hybrid: the sum across shard groups awaited; offload then sends it to the host
-        if self.replica_work is not None:
-            dev, work = self.replica_work
-            self.replica_work = None
+        # hybrid: the sums across shard groups awaited; offload then sends them to the host
+        for f, dev, work in self.replica_works:
             self.net.wait(work)
             if self.plan.offload:
-                self.to_host(dev)
+                self.to_host(f, dev)
+        self.replica_works = []
 
-    def to_host(self, dev):
-        # once a step (the paper's minimal traffic); the norm first, on the compute stream, so that
-        # the step need not wait; the copy on a stream of its own, which the host update waits for
-        self.train.norm = torch.linalg.vector_norm(dev, dtype=torch.float32) ** 2
-        self.d2h = self.worker.copies.to_host(self.train.grad_shard, dev)
+    def to_host(self, f, dev):
+        f.to_host(dev, self.worker.copies)
         self.net.count("d2h", dev.numel(), dev.element_size())
 
-    def sq_norm(self):
-        # the squared norm of the gradient slice this rank owns
-        if self.plan.offload:
-            return self.train.norm
-        g = self.train.grad_shard
-        if self.plan.shards_optim:
-            return torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        # stage 0: the whole gradient's as the sum over the slices stages 1-3 own, in fp64 as theirs
-        # is: the norm's rounding, which the clip carries into every update, is every stage's
-        pieces = [torch.linalg.vector_norm(p, dtype=torch.float32) ** 2
-                  for p in g.view(self.plan.shards, -1)]
-        return torch.stack(pieces).double().sum()
-
-    def update(self, mult, runs):
-        # AdamW on the owned slice; no collective (offload: on its thread; the next forward gathers)
-        whole = self.plan.shards_params and self.phase != FREED
+    # -- the update
+    def update(self, mult, runs, groups):
+        # the rules' steps on the owned slices, no collective (offload: on the worker's thread)
+        whole = self.plan.shards_params and self.phase not in (FREED, STALE)
         assert not whole, f"{self.name} is whole across an update"
-        f = self.train
-        st = f.state
-        if self.worker is not None:         # its gradient on the host; the last copy out of staging
-            self.worker.copies.wait(self.d2h, self.h2d)
-        out = f.out
-        if f.staging is not None:           # offload on CUDA: the pinned copy first
-            out = f.staging
-        adamw_runs(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], runs, mult, out)
-        if f.staging is not None:           # runs only: the rest keep their values
-            pieces = [(f.out[a:b], f.staging[a:b]) for a, b, *_ in runs]
-            self.h2d = self.worker.copies.to_device(pieces)
+        copies = self.worker.copies if self.worker is not None else None
+        for f, rs in zip(self.trains, runs):
+            f.update(rs, groups, mult, copies)
+
+    def start_update(self, mult, runs, groups):
+        # offload: the update queued on the worker's thread; the next gather of this unit waits
+        self.updating = self.worker.submit(functools.partial(self.update, mult, runs, groups))
+
+    def update_done(self):
+        return self.updating is None or self.updating.done()
+
+    def wait_update(self):
+        # offload: the host update done (bounded by timeout_s) and its failure raised here; the
+        # current stream then waits for the updated slices' copy to the device
+        if self.updating is None:
+            return
+        future = self.updating
+        self.updating = None
+        try:
+            future.result(self.worker.timeout)
+        except TimeoutError:
+            raise RuntimeError("zero: the offload worker did not finish a unit in time") from None
+        except Exception as e:
+            raise RuntimeError("zero: the offload update failed") from e
+        for f in self.trains:
+            self.worker.copies.order(f.h2d_event)
 
 
 def _regather(units):
@@ -1133,16 +1270,14 @@ class _PostBackward(torch.autograd.Function):
     unit's backward is done (FSDP2's post-backward signal)."""
 
     @staticmethod
-    def forward(ctx, sched, unit, key, *xs):
-        ctx.sched = sched
-        ctx.unit = unit
-        ctx.key = key
+    def forward(ctx, when_done, *xs):
+        ctx.when_done = when_done           # the schedule's post_backward for this call
         return xs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.sched.post_backward(ctx.unit, ctx.key)
-        return (None, None, None, *grads)
+        ctx.when_done()
+        return (None, *grads)
 
 
 # torch calls that read no values of a tensor
@@ -1170,10 +1305,12 @@ class _Sharded(nn.Parameter):
         return _PLAIN(func, types, args, kwargs or {})
 
 
-def _on_grad(sched, j, i, p):
-    # held by torch where gc cannot see: the schedule weakly, the unit by number, or never freed
-    if (s := sched()) is not None:
-        s.on_grad(s.units[j], i, p)
+def _on_grad(sched, j, k, i, p):
+    # held by torch where gc cannot see: the schedule weakly, the unit and Flat by number, or never
+    # freed; parameter i of unit j's k-th trainable Flat
+    s = sched()
+    if s is not None:
+        s.on_grad(s.units[j], k, i, p)
 
 # -----------------------------------------------------------------------------
 # 6. The schedule: one order of collectives on every rank
@@ -1212,9 +1349,15 @@ class Schedule:
     data, and the hooks that walk it. A place is one call: the k-th of unit u in a micro-batch's
     s-th forward (its segment) is node (s, k, u). Forwards walk their segment of `places`, the
     backward them reversed (`back`), gathering each unit (stage 3); past a unit's last place its
-    reduction launches, in `launch` order. Invariant: every rank launches the same collectives in
-    the same order, so every wait is for one all launched; waiting for the reduction two launches
-    back keeps three whole-unit gradients alive at most."""
+    reduction launches, in `launch` order. What it keeps true:
+
+    - every rank launches the same collectives in the same order, so every wait is for one that all
+      launched: a gather comes from the walk, from enter()'s gather of the units all ranks agreed to
+      hold (`kept`), or from alone() and read_outside(), which refuse once the order is learned;
+    - take() (through in_turn) and enter() rely on every unit but the held ones being freed between
+      uses (Unit.free), so that a unit held on one rank alone is gathered in its turn, as elsewhere;
+    - waiting for the reduction two launches back keeps three whole-unit gradients alive at most;
+    - nothing is whole across an update (before_update frees all)."""
 
     def __init__(self, units, plan, net):
         self.units = units                  # every unit, by index (the root among them)
@@ -1228,34 +1371,39 @@ class Schedule:
         self.pos = 0                        # its next place
         self.end = 0                        # its end (a place)
         self.count = collections.Counter()  # its calls of each unit, by index
+        self.keys = {}                      # unit index -> the node of its running call
         self.calls = []                     # calls (nodes) with a backward to come ...
-        self.segments = 0                   # ... in this many forwards
+        self.forwards = 0                   # ... in this many forwards
         self.evals = 0                      # forwards without a backward since the last with one
+        self.grad_out = {}                  # unit index -> an output of its required grad
         self.micro = 0                      # backward calls since the last step
         self.checked = False                # the first forward ran
         self.learned = False                # the first backward learned the order
         self.in_backward = False            # in engine.backward (a bare loss.backward() is refused)
         # the order, set by arrange()
-        self.segs = []                      # the units each forward calls, in order
+        self.segments = []                  # the units each forward calls, in order
         self.without = frozenset()          # units whose forward made nothing that requires grad
-        self.keep = frozenset()             # units kept whole on every rank, reduced last
+        self.kept = frozenset()             # units every rank holds whole, reduced last
         self.places = []                    # the segments end to end
         self.node = {}                      # node (segment, occurrence, unit index) -> its place
         self.ends = []                      # each segment's end (a place)
         self.back = []                      # the backward's: `places` reversed, less `without`
         self.bpos = {}                      # place -> its index in `back`
-        self.last = {}                      # unit index -> its last index in `back` (not in `keep`)
-        self.launch = []                    # the trainable units, in the order they are reduced
-        # a backward's progress, set by start_backward()
+        self.last = {}                      # unit index -> its last index in `back` (not `kept`)
+        self.launch = []                    # the trained units, in the order they are reduced
+        # a backward's progress
         self.done = 0                       # backward places done
         self.gathered = 0                   # backward places gathered
         self.launched = 0                   # units of `launch` launched
-        self.in_flight = collections.deque()   # (unit, work) of reductions launched, not waited for
-        self.arrange([self.order])
+        self.reduced = set()                # units whose reduction launched
+        self.in_flight = collections.deque()   # (unit, works) of reductions launched, not awaited
+        self.arrange([self.order], kept={u.index for u in units if u.held})
 
-    def arrange(self, segments, without=frozenset(), keep=frozenset()):
-        # the order of these forwards and of their backward; the units in `keep` whole from now on
-        self.segs, self.without, self.keep = segments, without, frozenset(keep)   # to arrange again
+    def arrange(self, segments, without=frozenset(), kept=frozenset()):
+        # the order of these forwards and of their backward; the units in `kept` held from now on
+        self.segments = segments
+        self.without = without
+        self.kept = frozenset(kept)
         self.places = []
         self.node = {}
         self.ends = []
@@ -1267,27 +1415,25 @@ class Schedule:
         self.back = [j for j, u in reversed(list(enumerate(self.places))) if u.index not in without]
         self.bpos = {j: k for k, j in enumerate(self.back)}
         last = {self.places[j].index: k for j, k in self.bpos.items()}   # a unit's last in `back`
-        self.last = {i: k for i, k in last.items() if i not in self.keep}
-        trained = (u for u in self.units if u.train)
+        self.last = {i: k for i, k in last.items() if i not in self.kept}
+        trained = (u for u in self.units if u.trains)
         self.launch = sorted(trained, key=lambda u: self.last.get(u.index, END))
         self.order = list(dict.fromkeys(self.places + self.order))
-        for i in self.keep:
+        for i in self.kept:
             self.units[i].hold()
-        self.start_backward()
-
-    def start_backward(self):
-        self.done = self.gathered = self.launched = 0
+        self.done = 0
+        self.gathered = 0
+        self.launched = 0
+        self.reduced = set()
         self.in_flight = collections.deque()
-        for u in self.units:
-            u.reduced = False
 
     def learn(self):
         """The first backward: the ranks agree on the order their forwards called the blocks in (not
-        always as registered, maybe one twice), the units kept whole, and those with no backward."""
-        seen = {u.index: u.grad_out for u in self.order if u.grad_out is not None}
-        ends = [(s, END, END) for s in range(self.segments)]
+        always as registered, maybe one twice), the units held whole, and those with no backward."""
+        ends = [(s, END, END) for s in range(self.forwards)]
         mine = sorted(self.calls + ends, key=lambda x: (x[0], x[1] == END))
-        every = self.net.all_gather_object((mine, [u.index for u in self.units if u.keep], seen))
+        held = [u.index for u in self.units if u.held]
+        every = self.net.all_gather_object((mine, held, self.grad_out))
         grads = [(i, g) for _, _, theirs in every for i, g in theirs.items()]
         without = {i for i, g in grads if not g} - {i for i, g in grads if g}
         segments = [[]]
@@ -1301,7 +1447,7 @@ class Schedule:
 
     def read_outside(self, u, name):
         """A parameter of u read where u is not gathered (outside its block). In the first forward,
-        which all ranks run alike, u is gathered and kept whole from then on; later, gathering it
+        which all ranks run alike, u is gathered and held whole from then on; later, gathering it
         here would be this rank's collective alone (a hang, or a wrong pairing): refused."""
         if self.depth == 0:
             raise RuntimeError(f"zero: '{name}' was read outside the model's forward, where its "
@@ -1326,26 +1472,30 @@ class Schedule:
 
     def before_update(self):
         """Nothing is whole across an update, which the step relies on: a forward nobody backwarded
-        (a loss for a log line) left its root and kept units whole with the weights the update is
-        about to change; they are freed (stage 3), and its calls forgotten."""
-        self.calls, self.segments = [], 0
+        (a loss for a log line) left the held units whole with the weights the update is about to
+        change; they are freed, and its calls forgotten."""
+        self.calls = []
+        self.forwards = 0
         for u in self.units:
-            if self.plan.shards_params and u.phase != FREED:
-                u.unshard().reshard()       # (a gather in flight finishes first)
+            u.free(pending=False)
 
-    def agree_keep(self, keep):
-        # units whose parameters escaped on a rank since the last agreement: whole, reduced last
-        if self.learned and not keep <= self.keep:
-            self.arrange(self.segs, self.without, keep | self.keep)
+    def agree_kept(self, held):
+        # units whose parameters escaped on a rank since the last agreement: held, reduced last
+        if self.learned and not held <= self.kept:
+            self.arrange(self.segments, self.without, held | self.kept)
+
+    def new_step(self):
+        self.micro = 0
+        self.ran = []
 
     # -- walking the places
     def take(self, u, nxt, back):
         # u gathered, and the next unit's gather started to travel while u computes (with offload
         # only once the host update is done with it: waiting here would undo the overlap)
-        u.in_turn(u.index in self.keep).unshard()
+        u.in_turn(u.index in self.kept).unshard()
         prefetch = self.plan.prefetch and (back or self.plan.gathers_lazily)
-        if prefetch and nxt is not None and nxt is not u and nxt.updated.is_set():
-            nxt.in_turn(nxt.index in self.keep).unshard(wait=False)
+        if prefetch and nxt is not None and nxt is not u and nxt.update_done():
+            nxt.in_turn(nxt.index in self.kept).unshard(wait=False)
 
     def forward_to(self, j):
         """The forward's walk up to place j (None: its segment's end), gathering and freeing the
@@ -1353,18 +1503,22 @@ class Schedule:
         starts B (freed) and C."""
         for p in range(self.pos, self.end if j is None else j + 1):
             u = self.places[p]
-            nxt = self.places[p + 1] if p + 1 < self.end else None
+            nxt = None
+            if p + 1 < self.end:
+                nxt = self.places[p + 1]
             self.take(u, nxt, False)
             self.pos = p + 1
             if p != j and nxt is not u:     # j's unit stays whole for its call, as does one next
-                u.release()
+                u.free(pending=True)
 
     def backward_to(self, k, gather=False):
         """The backward's walk up to backward place k, as forward_to's, launching the reductions of
         the units past their last place; with gather, k's unit gathered, the next one's started."""
         for d in range(self.done, min(k + gather, len(self.back))):
             u = self.places[self.back[d]]
-            nxt = self.places[self.back[d + 1]] if d + 1 < len(self.back) else None
+            nxt = None
+            if d + 1 < len(self.back):
+                nxt = self.places[self.back[d + 1]]
             if self.plan.shards_params and self.gathered <= d:
                 self.take(u, nxt, True)
                 self.gathered = d + 1
@@ -1372,7 +1526,7 @@ class Schedule:
                 self.done = d + 1
                 self.launch_ready()
                 if nxt is not u:            # the same unit next: it stays whole
-                    u.release()
+                    u.free(pending=True)
 
     def launch_ready(self, end=False):
         # in launch order, each unit once the backward is past its last place (end: all the rest),
@@ -1384,26 +1538,33 @@ class Schedule:
             if not end and self.last.get(u.index, END) >= self.done:
                 return
             self.launched += 1
-            self.reduce(u)
+            self.launch_reduce(u)
 
-    def reduce(self, u):
-        # u's reduction launched; at stages 2-3 the one two launches back waited for (stream-ordered
+    def launch_reduce(self, u):
+        # u's reductions launched; at stages 2-3 the ones two launches back awaited (stream-ordered
         # on NCCL), at stages 0-1 all in drain()
+        self.reduced.add(u.index)
         self.in_flight.append((u, u.reduce()))
         if self.plan.shards_grads:
             self.drain(2)
 
+    def drop_in_flight(self):               # at exit, once they finished
+        self.in_flight = collections.deque()
+
     def drain(self, keep=0):
         # the oldest reductions in flight finished, all but `keep`
         while len(self.in_flight) > keep:
-            u, work = self.in_flight.popleft()
-            u.finish_reduce(work, self.micro)
+            u, works = self.in_flight.popleft()
+            u.finish_reduce(works, self.micro)
 
     # -- forward hooks: opaque to torch.compile, whose graphs break where a unit begins or ends
     @torch.compiler.disable
-    def enter(self):
-        # a forward starts with the first module outside the units (the model, or a part of it)
+    def enter(self, refuse=None):
+        # a forward starts with the first module outside the units (the model, or a part of it);
+        # `refuse`: why it may not run (its exit hook runs all the same, and counts it out)
         self.depth += 1
+        if refuse:
+            raise RuntimeError(refuse)
         if self.depth > 1:
             return
         grad = torch.is_grad_enabled()
@@ -1414,25 +1575,28 @@ class Schedule:
             self.net.call("no_grad forward")
             self.evals += 1
         if self.last_ran is not None:       # a block called on its own since the last forward
-            self.last_ran.release()
+            self.last_ran.free(pending=True)
         # a forward with no backward to come (evaluation, a metric, a teacher) walks the first
         # segment, the training walk left where it was; one past the learned segments (after
         # forwards nobody backwarded: a log line's loss, a refused loss.backward()) wraps round
-        s = self.segments if grad else 0    # the segment this forward walks
+        s = 0                               # the segment this forward walks
+        if grad:
+            s = self.forwards
         if self.learned:
-            s %= len(self.segs)
+            s %= len(self.segments)
         starts = [0, *self.ends]            # each segment's first place, then the last one's end
         n = len(self.ends)                  # s >= n (a 2nd forward before learning): an empty walk
         self.walk = s
-        self.pos, self.end = starts[min(s, n)], starts[min(s + 1, n)]
+        self.pos = starts[min(s, n)]
+        self.end = starts[min(s + 1, n)]
         self.count = collections.Counter()
         self.last_ran = None
-        self.segments += grad
-        # the root and the units the ranks agree to keep stay whole through the backward (one kept
+        self.forwards += grad
+        # the units all ranks hold (the root among them) stay whole through the backward (one held
         # on this rank alone is gathered in its turn, as the others gather it); in the first forward
         # the others are _Sharded while they do not run, to see a parameter used out of its block
         for u in self.units:
-            if u.is_root or u.index in self.keep:
+            if u.index in self.kept:
                 u.unshard()
             elif not self.checked:
                 u.mark(True)
@@ -1443,26 +1607,27 @@ class Schedule:
         if self.depth:
             return
         if self.last_ran is not None:
-            self.last_ran.release()
+            self.last_ran.free(pending=True)
         self.last_ran = None
         if self.walk is None:               # no forward began (enter() raised, or never ran)
             return
         self.forward_to(None)               # places after the last one this rank called
         self.walk = None
         # no backward follows (evaluation, generation): freed, but what a backward to come needs
-        free = self.plan.shards_params and not torch.is_grad_enabled()
         for u in self.units:
-            if u.phase == WHOLE and free and not (self.calls and (u.is_root or u.keep)):
-                u.reshard()
-            elif u.phase == WHOLE and not self.checked:
+            if not torch.is_grad_enabled():
+                u.free(pending=bool(self.calls))
+            if u.phase == WHOLE and not self.checked:
                 u.mark(False)               # the first forward's marks go
         self.checked = True
 
     @torch.compiler.disable
     def pre_forward(self, u, module, args, kwargs):
         if self.last_ran is not None and self.last_ran is not u:
-            self.last_ran.release()         # freed once another unit starts: one run twice stays
-        key = None if self.walk is None else (self.walk, self.count[u.index], u.index)
+            self.last_ran.free(pending=True)   # once another unit starts: one run twice stays
+        key = None                          # the call's node (None: called alone)
+        if self.walk is not None:
+            key = (self.walk, self.count[u.index], u.index)
         self.count[u.index] += 1
         fp32 = self.plan.shards_params and self.plan.dtype == torch.float32
         if fp32 and torch.is_grad_enabled() and torch.is_autocast_enabled(self.plan.device.type):
@@ -1479,7 +1644,7 @@ class Schedule:
             self.alone(u, "called in a forward more often, or in another order,")
         u.mark(False)
         self.last_ran = u
-        u.call = key
+        self.keys[u.index] = key
         self.ran.append(u.index)
         if not torch.is_grad_enabled():
             return
@@ -1487,17 +1652,19 @@ class Schedule:
             self.calls.append(key)
         xs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
         if xs:                              # their backward ends this call's (_PostBackward)
-            ys = dict(zip(map(id, xs), _PostBackward.apply(self, u, key, *xs)))
+            done = functools.partial(self.post_backward, u, key)
+            ys = dict(zip(map(id, xs), _PostBackward.apply(done, *xs)))
             return _tree_map(lambda t: ys.get(id(t), t), (args, kwargs))
 
     @torch.compiler.disable
     def post_forward(self, u, module, args, kwargs, output):
-        if not self.checked and not u.keep:
+        if not self.checked and not u.held:
             u.mark(True)                    # the first forward: used out of its forward later?
         if not torch.is_grad_enabled():
             return
         outs = _tensors(output)
-        u.grad_out = bool(u.grad_out) or any(t.requires_grad for t in outs)
+        grad_out = any(t.requires_grad for t in outs)
+        self.grad_out[u.index] = self.grad_out.get(u.index, False) or grad_out
         if not self.plan.shards_params:
             return
         inputs = {id(t) for t in _tensors((args, kwargs))}
@@ -1508,9 +1675,31 @@ class Schedule:
             elif t.requires_grad and id(t) not in inputs:
                 # gathered again just before this call's backward (and recompute); a tensor it only
                 # passed along is not hooked: its gradient says nothing about this unit's backward
-                t.register_hook(functools.partial(self.pre_backward, u, u.call))
+                t.register_hook(functools.partial(self.pre_backward, u, self.keys[u.index]))
 
     # -- backward hooks
+    def begin_backward(self):
+        # every rank calls backward (checked through the store after evaluation forwards); the
+        # first learns the units' order
+        self.net.call("backward", check=self.evals)
+        self.evals = 0
+        if not self.learned:
+            self.learn()
+
+    def start_backward(self):
+        # a backward's progress from its start; the forward's last block is the first one back
+        self.done = 0
+        self.gathered = 0
+        self.launched = 0
+        self.reduced = set()
+        self.in_flight = collections.deque()
+        self.in_backward = True
+        if self.plan.shards_params and self.back and self.plan.prefetch:
+            self.places[self.back[0]].unshard(wait=False)
+
+    def stop_backward(self):
+        self.in_backward = False
+
     def outside(self):
         if not self.in_backward:
             raise RuntimeError("zero: a backward ran outside engine.backward(loss) "
@@ -1533,26 +1722,26 @@ class Schedule:
         elif start:
             self.alone(u, "backwarded more often, or in another order,")
 
-    def on_grad(self, u, i, p):
+    def on_grad(self, u, k, i, p):
         if p.grad is None:
             return
-        if not self.in_backward or u.reduced:
+        if not self.in_backward or u.index in self.reduced:
             p.grad = None                   # nothing of it is kept for the next step
             self.outside()
-            raise RuntimeError(f"zero: the gradient of '{u.train.names[i]}' came after its unit "
-                               f"'{u.name}' was reduced (a use outside its block the first forward "
-                               "did not show, or another order of blocks): pass zero.Zero(..., "
-                               "units=[...]) without its block")
-        u.take_grad(i, p)
+            raise RuntimeError(f"zero: the gradient of '{u.trains[k].names[i]}' came after its "
+                               f"unit '{u.name}' was reduced (a use outside its block the first "
+                               "forward did not show, or another order of blocks): pass "
+                               "zero.Zero(..., units=[...]) without its block")
+        u.trains[k].take_grad(i, p)
 
     def end_backward(self):
         self.backward_to(len(self.back))    # what this rank's backward did not reach, in its turn
-        self.launch_ready(end=True)         # the units that stay whole, and the root
+        self.launch_ready(end=True)         # the held units (the root among them) last
         self.drain()
         for u in self.units:                # stage 3: what is whole goes (the root, escaped units)
-            if self.plan.shards_params and u.phase == WHOLE:
-                u.reshard()
-        self.calls, self.segments = [], 0
+            u.free(pending=False)
+        self.calls = []
+        self.forwards = 0
         self.micro += 1
 
 
@@ -1564,7 +1753,6 @@ class Schedule:
 # overflow check, clip, AdamW on the owned slice, its 16-bit rounding written, stages 1-2 all-gather
 # it). The units do each part, the schedule says when; the engine builds them and glues the hooks.
 
-GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 # torch's Adam/AdamW keys that zero's AdamW honours at these values only (TORCH_ANY: at any value)
 TORCH_DEFAULTS = dict(amsgrad=False, maximize=False, capturable=False, differentiable=False)
 TORCH_ANY = {"foreach", "fused", "decoupled_weight_decay", "initial_lr"}
@@ -1572,69 +1760,81 @@ _ENGINES = weakref.WeakSet()  # every live engine: for the check of torch optimi
 _torch_clip, _torch_compile = torch.nn.utils.clip_grad_norm_, torch.compile   # before our patches
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
-    """torch's face of the engine's AdamW: the param_groups that LR schedulers and user code write,
-    every step reads; step() is engine.step(). Made from torch's param groups, or from a torch
-    Adam/AdamW whose groups it shares (its schedulers drive the engine) and whose step() is ours."""
-
-    def __init__(self, engine, param_groups=None, optimizer=None):
-        self.engine = engine                # whose step this step() is
-        adopt = optimizer is not None
-        trained = [u.train for u in engine.units if u.train]
-        # each trainable parameter, by identity, to its flat buffer and its index there; each name
-        where = {id(p): (f, i) for f in trained for i, p in enumerate(f.params)}
-        name = {id(p): n for n, p in engine.module.named_parameters()}
-        if adopt and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            raise ValueError(f"zero.Zero: optimizer={type(optimizer).__name__}; zero steps AdamW: "
-                             "pass a torch.optim.AdamW (or Adam), or none")
-        groups = list(optimizer.param_groups if adopt else param_groups or [])   # ours to edit
-        if groups and not isinstance(groups[0], dict):   # a list of tensors: one group
-            groups = [dict(params=groups)]
-        seen = {}                           # each listed parameter, by identity, to its group
-        for j, g in enumerate(groups):
-            unknown = sorted(set(g) - {"params", *GROUP_KEYS, *TORCH_DEFAULTS, *TORCH_ANY})
-            if unknown:
-                raise ValueError(f"zero.Zero: param_groups[{j}] has unknown keys {unknown}; zero's "
-                                 f"AdamW takes {['params', *GROUP_KEYS]} (other keys at torch's "
-                                 "defaults)")
-            bad = [f"{k}={g[k]}" for k, v in TORCH_DEFAULTS.items() if g.get(k, v) != v]
-            adam_l2 = type(optimizer) is torch.optim.Adam and not g.get("decoupled_weight_decay")
-            if adam_l2 and g["weight_decay"]:
-                bad.append(f"weight_decay={g['weight_decay']} as Adam's L2 penalty")
-            if bad:
-                raise ValueError(f"zero.Zero: param_groups[{j}] sets {bad}, which zero's AdamW "
-                                 "cannot do (other keys at torch's defaults)")
-            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+def _param_groups(model, cfg, param_groups, optimizer):
+    """torch's param groups over the model's trainable parameters, checked: each parameter in one
+    group, each group with the keys of its rule (its "update": RULES), the rest from Config; those
+    in no group get Config's values, weight decay on >= 2 dims only. Made from param_groups, or
+    shared with a torch Adam/AdamW (its schedulers then drive the engine). Returns the groups and
+    each parameter's group, by identity."""
+    adopt = optimizer is not None
+    if adopt and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"zero.Zero: optimizer={type(optimizer).__name__}; zero steps AdamW: "
+                         "pass a torch.optim.AdamW (or Adam), or none")
+    name = {id(p): n for n, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = list(param_groups or [])       # ours to edit
+    if adopt:
+        groups = optimizer.param_groups     # the same dicts: a change to either is the other's
+    if groups and not isinstance(groups[0], dict):   # a list of tensors: one group
+        groups = [dict(params=groups)]
+    group_of = {}                           # each listed parameter, by identity, to its group
+    for j, g in enumerate(groups):
+        rule = RULES.get(g.get("update", "adamw"))
+        if rule is None:
+            raise ValueError(f"zero.Zero: param_groups[{j}] has update={g['update']!r}; use one "
+                             f"of {list(RULES)}")
+        unknown = sorted(set(g) - {"params", "update", *rule.keys, *TORCH_DEFAULTS, *TORCH_ANY})
+        if unknown:
+            raise ValueError(f"zero.Zero: param_groups[{j}] has unknown keys {unknown}; zero's "
+                             f"{rule.name} takes {['params', *rule.keys]} (other keys at torch's "
+                             "defaults)")
+        bad = [f"{k}={g[k]}" for k, v in TORCH_DEFAULTS.items() if g.get(k, v) != v]
+        adam_l2 = type(optimizer) is torch.optim.Adam and not g.get("decoupled_weight_decay")
+        if adam_l2 and g["weight_decay"]:
+            bad.append(f"weight_decay={g['weight_decay']} as Adam's L2 penalty")
+        if bad:
+            raise ValueError(f"zero.Zero: param_groups[{j}] sets {bad}, which zero's AdamW "
+                             "cannot do (other keys at torch's defaults)")
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in ps:
             # an adopted optimizer may hold frozen parameters: they get no gradient
-            for p in ps:
-                if id(p) not in where and (not adopt or id(p) not in name):
-                    what = (f"a tensor of shape {tuple(p.shape)} that is not a parameter of "
-                            "the model")
-                    if id(p) in name:
-                        what = f"'{name[id(p)]}', which does not require grad"
-                    raise ValueError(f"zero.Zero: param_groups[{j}] holds {what}; "
-                                     "list trainable parameters")
-                if seen.setdefault(id(p), j) != j:
-                    raise ValueError(f"zero.Zero: '{name[id(p)]}' is in param_groups "
-                                     f"{seen[id(p)]} and {j}")
-            if not adopt:                   # torch's copy: each parameter once
-                groups[j] = dict(g, params=list(dict.fromkeys(ps)))
-        rest = [p for f in trained for p in f.params if id(p) not in seen]
-        if adopt and rest:
-            names = [name[id(p)] for p in rest[:5]]
-            raise ValueError(f"zero.Zero: {names} require grad but are in no param group of the "
-                             "optimizer; add them to it, or freeze them before zero.Zero")
-        # parameters in no group: Config's values, weight decay on >= 2-D ones only
-        decayed = dict(params=[p for p in rest if p.dim() >= 2])
-        not_decayed = dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0)
-        groups += [g for g in (decayed, not_decayed) if g["params"]]
-        for j, g in enumerate(groups):      # each parameter's group, in its flat buffer
-            for f, i in (where[id(p)] for p in g["params"] if id(p) in where):
-                f.group[i] = j
-        c = engine.cfg
-        defaults = dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
-        super().__init__(groups, defaults)
-        if adopt:                           # the script's optimizer, now driven by the engine
+            if id(p) not in name or not p.requires_grad and not adopt:
+                what = f"a tensor of shape {tuple(p.shape)} that is not a parameter of the model"
+                if id(p) in name:
+                    what = f"'{name[id(p)]}', which does not require grad"
+                raise ValueError(f"zero.Zero: param_groups[{j}] holds {what}; "
+                                 "list trainable parameters")
+            if group_of.setdefault(id(p), j) != j:
+                raise ValueError(f"zero.Zero: '{name[id(p)]}' is in param_groups "
+                                 f"{group_of[id(p)]} and {j}")
+        if not adopt:                       # torch's copy: each parameter once
+            groups[j] = dict(g, params=list(dict.fromkeys(ps)))
+        for k, v in rule.defaults(cfg).items():
+            groups[j].setdefault(k, v)
+    rest = [p for p in trainable if id(p) not in group_of]
+    if adopt and rest:
+        names = [name[id(p)] for p in rest[:5]]
+        raise ValueError(f"zero.Zero: {names} require grad but are in no param group of the "
+                         "optimizer; add them to it, or freeze them before zero.Zero")
+    # parameters in no group: Config's values, weight decay on >= 2-D ones only
+    decayed = dict(params=[p for p in rest if p.dim() >= 2], **RULES["adamw"].defaults(cfg))
+    not_decayed = dict(decayed, params=[p for p in rest if p.dim() < 2], weight_decay=0.0)
+    for g in (decayed, not_decayed):
+        if g["params"]:
+            groups.append(g)
+            group_of.update(dict.fromkeys(map(id, g["params"]), len(groups) - 1))
+    return groups, group_of
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """torch's face of the engine's update rules: the param_groups that LR schedulers and user code
+    write, which every step reads (_param_groups made them); step() is engine.step(). An adopted
+    torch Adam/AdamW shares the groups, and its step() becomes the engine's."""
+
+    def __init__(self, engine, groups, optimizer=None):
+        self.engine = engine                # whose step this step() is
+        super().__init__(groups, RULES["adamw"].defaults(engine.cfg))
+        if optimizer is not None:           # the script's optimizer, now driven by the engine
             def step(closure=None):
                 optimizer._opt_called = True    # what torch's LR schedulers look for
                 return engine.step()
@@ -1672,7 +1872,7 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
     owner = next((e for e in _ENGINES for p in ps[:1] if id(p) in e.owned), None)
     if owner is None:
         return _torch_clip(ps, max_norm, norm_type, error_if_nonfinite, foreach)
-    trainable = {id(p) for u in owner.units if u.train for p in u.train.params}
+    trainable = {id(p) for u in owner.units for f in u.trains for p in f.params}
     if {id(p) for p in ps if p.requires_grad} != trainable:
         raise ValueError("zero: clip_grad_norm_ takes all the engine's parameters: "
                          "pass model.parameters()")
@@ -1699,7 +1899,7 @@ def _close_groups():
     # process ("terminate called without an active exception")
     engines = list(_ENGINES)
     works = [w for e in engines for u in e.units for w in u.works]
-    works += [w for e in engines for _, w in e.sched.in_flight]
+    works += [w for e in engines for _, ws in e.sched.in_flight for w in ws]
     try:
         for w in works:
             if w is not None:               # (one rank: nothing was launched)
@@ -1707,10 +1907,10 @@ def _close_groups():
     except RuntimeError:                    # a collective that failed or never ends: joining hangs
         return
     for e in engines:
-        e.sched.in_flight = collections.deque()
-        e.net.groups = {}
+        e.sched.drop_in_flight()
+        e.net.drop_groups()
         for u in e.units:
-            u.works = []
+            u.drop_works()
     while _GROUPS:                          # dropping each one's last reference joins its threads
         with contextlib.suppress(Exception):   # one the script destroyed already
             dist.destroy_process_group(_GROUPS.popitem()[1])
@@ -1733,10 +1933,14 @@ class Zero:
         self.dtype = plan.dtype             # the compute dtype
         self.scaler = LossScaler(cfg)       # fp16's dynamic loss scale
         self.step_count = 0                 # steps applied (an fp16 overflow skips one)
-        self.grad_norm = 0.0                # the last step's global gradient norm
+        self.grad_norm = 0.0                # the global gradient norm the ranks agreed on
+        self.agreed = False                 # the ranks agreed on this step (clip_grad_norm_, step)
         self.clip = None                    # clip_grad_norm_'s max_norm, for this step only
-        self.got = None                     # which parameters got a gradient, on any rank
-        self.worker = None                  # offload: the update thread
+        self.used = []                      # per trained parameter, whether any rank had a gradient
+        self.worker = None                  # offload: the update thread, ended with the engine
+        if cfg.offload:
+            self.worker = HostWorker(self.device, cfg.timeout_s)
+            weakref.finalize(self, self.worker.close)
         self.unfilled = set()               # names of meta tensors nothing initialized
         self.pinned = {}                    # offload on CUDA: kind -> [block, used, pinned]
         self.last_comm = {}                 # what the last step moved: comm()
@@ -1753,28 +1957,38 @@ class Zero:
         if not any(p.requires_grad for _, p in named):
             raise ValueError("zero.Zero: the model has no trainable parameters "
                              "(requires_grad=True)")
+        groups, group_of = _param_groups(self.module, cfg, param_groups, optimizer)
         members = [[] for _ in unit_modules] + [[]]    # the last: the root
         for n, p in named:
             members[owner.get(id(p), -1)].append((n, p))
         unit_of = {}                        # each module that is a unit, by identity, to its unit
         self.units = []                     # the blocks with parameters, then the root
         for m, ps in zip(unit_modules + [self.module], members):
-            # trainable and frozen parameters in flat buffers of their own: frozen ones are never
-            # reduced; frozen ones that are not floats (a quantized base's int8) by their own dtype
-            split = {(True, None): [], (False, None): []}
+            # trainable parameters in a flat buffer per update rule, frozen ones in their own (never
+            # reduced), those that are not floats (a quantized base's int8) by their own dtype
+            split = {}                      # (rule, dtype) -> [(name, parameter)]; None: frozen, ...
             for n, p in ps:
-                dtype = None if p.is_floating_point() else p.dtype   # None: the compute dtype
-                split.setdefault((p.requires_grad, dtype), []).append((n, p))
-            flats = [Flat(part, tr, plan, plan.shards_params or (tr and plan.shards_optim), dtype)
-                     for (tr, dtype), part in split.items() if part]
+                rule = None
+                if p.requires_grad:
+                    rule = RULES[groups[group_of[id(p)]].get("update", "adamw")]
+                dtype = None                # ... the compute dtype
+                if not p.is_floating_point():
+                    dtype = p.dtype
+                split.setdefault((rule, dtype), []).append((n, p))
+            flats = []
+            for (rule, dtype), part in sorted(split.items(), key=lambda kv: kv[0][0] is None):
+                sharded = plan.shards_params or (rule is not None and plan.shards_optim)
+                part_groups = [group_of.get(id(p), 0) for _, p in part]
+                flats.append(Flat(part, plan, rule, part_groups, sharded, dtype))
             if flats:                       # a block without parameters is no unit
                 name = self.names.get(id(m)) or "root"
-                unit_of[id(m)] = Unit(len(self.units), m, name, flats, plan, net, m is self.module)
-                self.units.append(unit_of[id(m)])
+                u = Unit(len(self.units), m, name, flats, plan, net, self.worker, m is self.module)
+                unit_of[id(m)] = u
+                self.units.append(u)
         self.root = unit_of.get(id(self.module))   # the root's unit, or None
         self.owned = {id(p) for u in self.units for p in u.params}   # every parameter, by identity
         self.sched = s = Schedule(self.units, plan, net)   # the one order of the collectives
-        self.optimizer = ZeroOptimizer(self, param_groups, optimizer)   # torch's face of the AdamW
+        self.optimizer = ZeroOptimizer(self, groups, optimizer)   # torch's face of the rules
         self._check_ranks_agree()           # before the first collective that depends on the layout
         # one unit at a time: a meta model becomes real, then the unit is sharded and the rest
         # freed, so that no rank ever holds the whole model
@@ -1789,10 +2003,11 @@ class Zero:
         # hooks: each trainable parameter's gradient (after autograd summed its uses); a forward
         # starts at the root's first module (`mods`), ends when it returns; each unit's forward.
         # Every k-th block recomputes non-reentrant (dropout's RNG kept) within the gathering hooks
-        for u in (u for u in self.units if u.train):
-            for i, p in enumerate(u.train.params):
-                hook = functools.partial(_on_grad, weakref.ref(s), u.index, i)
-                p.register_post_accumulate_grad_hook(hook)
+        for u in self.units:
+            for k, f in enumerate(u.trains):
+                for i, p in enumerate(f.params):
+                    hook = functools.partial(_on_grad, weakref.ref(s), u.index, k, i)
+                    p.register_post_accumulate_grad_hook(hook)
         for m in mods:
             m.register_forward_pre_hook(self._enter)
             m.register_forward_hook(s.exit, always_call=True)
@@ -1806,11 +2021,6 @@ class Zero:
         # the model's own state_dict would hold shards or stale 16-bit copies: the engine's instead
         self.module.state_dict = self._refuse_state_dict
         self.module.load_state_dict = self.load_state_dict
-        if cfg.offload:                     # a thread: it ends with the engine, or at exit
-            self.worker = HostWorker(self.device, cfg.timeout_s)
-            weakref.finalize(self, self.worker.close)
-            for u in self.units:
-                u.worker = self.worker
         self.ledger_reset()
         _ENGINES.add(self)
 
@@ -1887,7 +2097,7 @@ class Zero:
             t = torch.empty(n, dtype=dtype, device=self.plan.host)
         else:
             if kind not in self.pinned:
-                total = sum(u.train.hi - u.train.lo for u in self.units if u.train)
+                total = sum(f.hi - f.lo for u in self.units for f in u.trains)
                 block, pinned = _pinned_block(total, dtype)
                 if not pinned and all(ok for _, _, ok in self.pinned.values()):  # the first refusal
                     warnings.warn("zero: CUDA did not pin the offload's host buffers "
@@ -1912,7 +2122,7 @@ class Zero:
                 p._zero_name = n
                 p._zero_owner = (weakref.ref(self.sched), u.index)
             self.net.broadcast(full)
-            rounded += [n for n in f.build(full, self.plan, self._state) if n not in self.unfilled]
+            rounded += [n for n in f.build(full, self._state) if n not in self.unfilled]
             self.net.count_held(f.flat.untyped_storage().nbytes())
             del full
         if self.plan.shards_params:
@@ -1948,17 +2158,17 @@ class Zero:
     @torch.compiler.disable
     def _enter(self, module, args):
         # a forward's first module: no forward runs on tensors that nothing initialized
+        refuse = None
         if self.unfilled and not self.sched.depth:
-            self.sched.depth += 1           # (the exit hook runs all the same, and counts it out)
-            raise RuntimeError(
-                f"zero: {sorted(self.unfilled)[:8]} were built on the meta device and nothing "
-                "initialized them: call engine.load_state_dict(sd), or pass init_fn=fn")
-        self.sched.enter()
+            refuse = (f"zero: {sorted(self.unfilled)[:8]} were built on the meta device and nothing "
+                      "initialized them: call engine.load_state_dict(sd), or pass init_fn=fn")
+        self.sched.enter(refuse)
 
     def backward(self, loss):
         """Backward of this micro-batch's plain mean loss (the engine divides by accum_steps);
         returns when its gradients are reduced."""
-        cfg, s = self.cfg, self.sched
+        cfg = self.cfg
+        s = self.sched
         if s.micro >= cfg.accum_steps:
             raise RuntimeError(f"zero: backward() called {s.micro + 1} times without step(); "
                                f"Config.accum_steps={cfg.accum_steps}")
@@ -1971,34 +2181,27 @@ class Zero:
             if one and fn.name() == "MulBackward0":
                 d = 1 / d                   # loss * (1 / accum_steps)
             if one and math.isclose(d.item(), cfg.accum_steps, rel_tol=1e-6):
-                raise ValueError(f"zero: the loss is divided by accum_steps={cfg.accum_steps}: pass the "
-                                 "plain mean loss; engine.backward divides by accum_steps itself")
-        # every rank calls backward (checked through the store after evaluation forwards); the first
-        # learns the units' order; the last step's host update lands before new gradients do
-        self.net.call("backward", check=s.evals)
-        s.evals = 0
-        if not s.learned:
-            s.learn()
-        self.settle()
+                raise ValueError(f"zero: the loss is divided by accum_steps={cfg.accum_steps}: pass "
+                                 "the plain mean loss; engine.backward divides by accum_steps itself")
+        s.begin_backward()
+        self.settle()                       # the last step's host update lands before new gradients
         s.start_backward()
-        if self.plan.shards_params and s.back and cfg.prefetch:
-            s.places[s.back[0]].unshard(wait=False)   # the forward's last block is the first back
-        s.in_backward = True
         try:
             if self.scaler.enabled:         # fp16: scaled so small gradients survive in 16 bits
                 loss = loss.float() * self.scaler.scale
             loss.backward()
         except torch.utils.checkpoint.CheckpointError as e:
-            raise RuntimeError("zero: activation recompute replayed a different forward (see above), as a "
-                               "key/value cache does: pass use_cache=False, or use the model's own "
-                               "gradient_checkpointing_enable() and Config(checkpoint=False)") from e
+            raise RuntimeError("zero: activation recompute replayed a different forward (see "
+                               "above), as a key/value cache does: pass use_cache=False, or use the "
+                               "model's own gradient_checkpointing_enable() and "
+                               "Config(checkpoint=False)") from e
         finally:
-            s.in_backward = False
+            s.stop_backward()
         s.end_backward()
 
     def step(self):
-        """AdamW on this rank's shard, the updated parameters back to every rank. Returns False when
-        the gradients were not finite (fp16 overflow: the step is skipped)."""
+        """The update rules on this rank's shard, the updated parameters back to every rank. Returns
+        False when the gradients were not finite (fp16 overflow: the step is skipped)."""
         return self.optimizer.step()        # through the optimizer, which LR schedulers watch
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
@@ -2006,64 +2209,68 @@ class Zero:
         this), between the last backward and step(): returns the global norm of the unscaled mean
         gradient, and the step clips at max_norm instead of Config.grad_clip."""
         if float(norm_type) != 2.0:
-            raise ValueError(f"zero: clip_grad_norm_(norm_type={norm_type}): zero clips the L2 norm; use 2.0")
-        norm = self._agree_step()
+            raise ValueError(f"zero: clip_grad_norm_(norm_type={norm_type}): zero clips the L2 "
+                             "norm; use 2.0")
+        norm = self._agree()
         if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(f"zero: the total norm of the gradients is {norm} (error_if_nonfinite=True)")
+            raise RuntimeError(f"zero: the total norm of the gradients is {norm} "
+                               "(error_if_nonfinite=True)")
         self.clip = float(max_norm)
         return torch.tensor(norm)
 
-    def _agree_step(self):
-        """The step up to the update, once (clip_grad_norm_ may run it first): the last reductions
-        and the step's one all-reduce of agreement; returns the global gradient norm."""
-        cfg, s = self.cfg, self.sched
-        if s.micro == cfg.accum_steps + 1:  # agreed already
+    def _agree(self):
+        """The step up to the update, once (clip_grad_norm_ may run it first): one fp64 all-reduce
+        (exact for these integers) agrees on the squared gradient norm (inf or nan: an overflow),
+        the fingerprint of each rank's collectives and calls, the units held whole, the parameters
+        with a gradient on any rank. Returns the global gradient norm."""
+        if self.agreed:
             return self.grad_norm
-        if s.micro != cfg.accum_steps:
-            raise RuntimeError(f"zero: step() after {s.micro} backward() calls; Config.accum_steps="
-                               f"{cfg.accum_steps} asks for exactly that many")
+        if self.sched.micro != self.cfg.accum_steps:
+            raise RuntimeError(f"zero: step() after {self.sched.micro} backward() calls; "
+                               f"Config.accum_steps={self.cfg.accum_steps} asks for exactly that many")
         late = [n for u in self.units for f in u.flats if not f.trainable
                 for n, p in zip(f.names, f.params) if p.requires_grad]
         if late:
-            raise RuntimeError(f"zero: {late} were frozen when zero.Zero wrapped the model and require grad "
-                               "now; make them trainable before zero.Zero(model) (and freeze them after)")
+            raise RuntimeError(f"zero: {late} were frozen when zero.Zero wrapped the model and "
+                               "require grad now; make them trainable before zero.Zero(model) (and "
+                               "freeze them after)")
         self.net.call("step")
-        s.drain()
-        self.settle()
-        # one fp64 all-reduce (exact for these integers) agrees on: the squared gradient norm (inf
-        # or nan: overflow), the fingerprint of each rank's collectives and calls with its squares,
-        # the units kept whole, the parameters with a gradient on any rank
-        trained = [u for u in self.units if u.train]
+        trained = [u for u in self.units if u.trains]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for u in trained:
             u.finish_replica()
-            sq += u.sq_norm()
+            for f in u.trains:
+                sq += f.sq_norm()
         # a copy several ranks hold (stage 0, hybrid replicas) counts once: the others add 0 times
         # theirs (nan if not finite: an overflow anywhere skips everywhere)
         sq *= float((self.net.replica if self.plan.shards_optim else self.rank) == 0)
-        flags = [u.keep for u in self.units]
-        flags += [i in u.train.got for u in trained for i in range(len(u.train.params))]
+        flags = [u.held for u in self.units]
+        flags += [i in f.got for u in trained for f in u.trains for i in range(len(f.params))]
         extra = torch.cat([sq.view(1), torch.tensor(flags, dtype=torch.float64).to(self.device)])
         mine = (self.net.trace, self.sched.ran, dict(self.net.calls))   # gathered if ranks differ
         (global_sq, *rest), every = self.net.agree(self.net.trace, lambda: mine, extra)
-        keep = rest[:len(self.units)]       # per unit: kept whole on some rank
+        held = rest[:len(self.units)]       # per unit: held whole on some rank
         for u in trained:                   # the next window starts a new accumulation
-            u.train.written, u.train.got = set(), set()
+            for f in u.trains:
+                f.new_window()
         if every is not None:
             self._diverged(every)
-        s.agree_keep({u.index for u, k in zip(self.units, keep) if k})
-        s.micro = cfg.accum_steps + 1
-        self.got = rest[len(self.units):]   # per trained parameter: ranks that had a gradient
+        self.sched.agree_kept({u.index for u, h in zip(self.units, held) if h})
+        self.used = rest[len(self.units):]  # per trained parameter: ranks that had a gradient
         # gradients of loss * scale, summed over ranks and micro-batches after a divide by divide[0]
         self.grad_norm = math.sqrt(global_sq) / (self.scaler.scale * self.plan.divide[1])
+        self.agreed = True
         return self.grad_norm
 
     def _step(self):
-        """optimizer.step(): AdamW with the agreed norm, or, where it is not finite, the skip."""
-        norm = self._agree_step()
-        clip = self.cfg.grad_clip if self.clip is None else self.clip   # clip_grad_norm_'s, once
+        """optimizer.step(): the update rules with the agreed norm, or, where it is not finite, the
+        skip."""
+        norm = self._agree()
+        self.agreed = False                 # the next step agrees anew
+        clip = self.cfg.grad_clip           # clip_grad_norm_'s max_norm instead, for this step
+        if self.clip is not None:
+            clip = self.clip
         self.clip = None
-        self.sched.micro = 0
         if not math.isfinite(norm):         # every rank sees the same norm: no rank steps alone
             self.scaler.adjust(overflow=True)
             self.ledger_reset()
@@ -2072,36 +2279,38 @@ class Zero:
             raise FloatingPointError(
                 f"zero: the gradient norm is {norm} at step {self.step_count + 1} in "
                 f"{self.cfg.dtype}; nothing was updated: lower the lr, or check the inputs")
-        # clip_grad_norm_'s rule; unscale and clip: one multiplier, applied inside the Adam kernel
-        mult = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+        # clip_grad_norm_'s rule; unscale and clip: one multiplier, applied inside the update
+        mult = 1.0
+        if clip > 0:
+            mult = min(1.0, clip / (norm + 1e-6))
         mult /= self.scaler.scale * self.plan.divide[1]
         self.step_count += 1
         self.scaler.adjust(overflow=False)
         self.sched.before_update()
-        # the groups' hyperparameters as they are now (schedulers set them); a parameter without a
-        # gradient on any rank is left untouched, its step count too, as torch's AdamW does
-        groups = self.optimizer.param_groups
-        hyper = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in groups]
-        agreed = iter(self.got)             # per trained parameter, unit by unit
-        runs = {}                           # unit index -> its AdamW calls
-        trained = [u for u in self.units if u.train]
+        # the groups' values as they are now: a scheduler changes them once step() returns, before
+        # offload's update runs. A parameter without a gradient on any rank is left untouched, its
+        # step count too, as torch's optimizers leave it
+        groups = [dict(g) for g in self.optimizer.param_groups]
+        used = iter(self.used)              # per trained parameter, Flat by Flat
+        trained = [u for u in self.units if u.trains]
+        runs = {}                           # unit index -> each trainable Flat's calls
         for u in trained:
-            used = list(itertools.islice(agreed, len(u.train.params)))
-            u.train.steps = [step + bool(g) for step, g in zip(u.train.steps, used)]
-            runs[u.index] = u.train.runs(used, hyper)
+            runs[u.index] = [f.step_runs(list(itertools.islice(used, len(f.params))))
+                             for f in u.trains]
         if self.cfg.offload:
-            # the update runs on the worker behind the next forward, in its order; until that
+            # the updates run on the worker behind the next forward, in its order; until that
             # gathers, the others' slices are last step's; the 16-bit slices go to the device
-            jobs = []
-            for u in (u for u in [self.root, *self.sched.order] if u is not None and u.train):
-                jobs.append((u, functools.partial(u.update, mult, runs[u.index])))
-                if self.plan.regathers and u.phase == WHOLE:
-                    u.reshard()
-                self.net.count("h2d", u.train.hi - u.train.lo, u.train.flat.element_size())
-            self.worker.submit(jobs)
+            for u in [self.root, *self.sched.order]:
+                if u is None or not u.trains:
+                    continue
+                if self.plan.regathers:
+                    u.stale()
+                u.start_update(mult, runs[u.index], groups)
+                for f in u.trains:
+                    self.net.count("h2d", f.hi - f.lo, f.flat.element_size())
         else:
             for u in trained:
-                u.update(mult, runs[u.index])
+                u.update(mult, runs[u.index], groups)
             if self.plan.regathers:
                 _regather([u.stale() for u in trained])
         self.ledger_reset()
@@ -2111,7 +2320,7 @@ class Zero:
         """Offload: every unit's host update done and (stages 1-2) gathered: this step's state."""
         if self.worker is not None:
             for u in self.units:            # each wait bounded by Config.timeout_s
-                self.worker.wait(u)
+                u.wait_update()
             if self.plan.regathers:
                 _regather(self.units)
 
@@ -2148,11 +2357,8 @@ class Zero:
 
     def ledger_reset(self):
         """At the end of a step: what it moved, from the forward to the update, becomes comm()'s."""
-        ledger = self.net.ledger.items()
-        self.last_comm = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in ledger}
-        self.net.ledger = {}
-        self.net.trace = []
-        self.sched.ran = []
+        self.last_comm = self.net.new_step()
+        self.sched.new_step()
 
     def comm(self):
         """What the last step moved, by kind: calls, elements and bytes."""
@@ -2174,19 +2380,12 @@ class Zero:
         split by role); of the host's, pinned_memory() says what is pinned."""
         out = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
                for w in ("device", "host")}
-        host = "host" if self.cfg.offload else "device"    # where the shard state is
         seen = set()                        # storages counted: views share one
         for f in (f for u in self.units for f in u.flats):
-            held = [(f.flat, "params", "device"), (f.shard, "params", "device"),
-                    (f.grad, "grads", "device"), (f.acc, "grads", "device"),
-                    (f.grad_shard, "grads", host), (f.staging, "params", "host")]
-            held += [(v, "master" if k == "master" else "optim", host) for k, v in f.state.items()]
-            for t, kind, where in (h for h in held if h[0] is not None):
+            for t, kind, where in f.held():
                 st = t.untyped_storage()
                 if st.nbytes() and st.data_ptr() not in seen:
                     seen.add(st.data_ptr())
-                    if not f.trainable:     # frozen: on the device, whatever its role
-                        kind, where = "frozen", "device"
                     out[where][kind] += st.nbytes()
         return out
 
@@ -2257,9 +2456,20 @@ class Zero:
         bufs = {k: state_dict[k] for k in shape_of if k not in bad and id(want[k]) not in slot}
         filled = {a for i in use for a in aliases[i]} | set(bufs)
         self._warn_rounded(_restore(self, lambda: (read, bufs), "load the state_dict", filled))
-        for f in (f for u in self.units for f in u.flats):
-            f.steps = [0] * len(f.params)
+        self._resume(self.step_count, {})   # the rules start fresh
         return LoadResult(missing, unexpected, shapes)
+
+    def _resume(self, step_count, steps):
+        # the counters a load sets: the steps taken, each parameter's rule steps (by name)
+        self.step_count = step_count
+        for f in (f for u in self.units for f in u.flats):
+            f.set_steps([steps.get(n, 0) for n in f.names])
+
+    def _filled(self, names):
+        # what a load filled no longer counts as uninitialized (None: everything)
+        if names is None:
+            names = set(self.unfilled)
+        self.unfilled -= names
 
     def _refuse_state_dict(self, *args, **kwargs):
         raise RuntimeError("zero: model.state_dict() after zero.Zero(model) holds shards or stale copies: "
@@ -2311,7 +2521,7 @@ class Copies:
         return event
 
     @staticmethod
-    def wait(*events):                      # the host waits: a copy to it landed, one from it read
+    def sync(*events):                      # the host waits: a copy to it landed, one from it read
         for event in events:
             if event is not None:
                 event.synchronize()
@@ -2323,52 +2533,35 @@ class Copies:
 
 
 class HostWorker:
-    """ZeRO-Offload's update thread: a step's jobs in the forward's order while the caller runs the
-    next forward, which waits only for the unit it is about to run. A failure is raised in the
-    caller at its next wait; at exit the jobs end first (a daemon killed in a kernel aborts)."""
+    """ZeRO-Offload's update thread: a one-thread executor of the units' host updates, in the order
+    submitted, while the caller runs the next forward; each submit() returns the update's Future,
+    which the unit awaits (bounded by timeout_s) before its next gather. At exit the updates queued
+    end first, bounded too (a daemon thread killed inside a kernel aborts the process)."""
 
     def __init__(self, device, timeout_s):
-        self.jobs = queue.Queue()           # each step's [(unit, fn)]; None: the thread ends
-        self.error = None                   # a job's exception, raised at the caller's next wait
+        self.jobs = queue.SimpleQueue()     # (fn, Future) in order; None: the thread ends
         self.timeout = timeout_s            # seconds a wait (and the exit's join) may take
         self.copies = Copies(device)        # its units' copies to the host and back
         self.thread = threading.Thread(target=self._run, args=(device,), daemon=True,
                                        name="zero-offload-adam")
         self.thread.start()
 
-    def submit(self, jobs):
-        # cleared before the jobs are queued: a wait never takes the last step's flag for this one's
-        for u, _ in jobs:
-            u.updated.clear()
-        self.jobs.put(jobs)
+    def submit(self, fn):
+        future = Future()
+        self.jobs.put((fn, future))
+        return future
 
     def _run(self, device):
         if device.type == "cuda":
             torch.cuda.set_device(device)   # the current GPU is per thread
-        while self._do(self.jobs.get()):
-            pass
-
-    def _do(self, jobs):
-        # one step's jobs, none kept after (the engine can be freed); a failure is the caller's
-        for u, fn in jobs or ():
+        for fn, future in iter(self.jobs.get, None):
             try:
-                fn()
-            except BaseException as e:
-                self.error = e
-            u.updated.set()
-        return jobs is not None
-
-    def wait(self, u):
-        # a bounded wait for u's update; then the caller's stream waits for its copy to the device
-        if not u.updated.wait(self.timeout):
-            raise RuntimeError("zero: the offload worker did not finish a unit in time")
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise RuntimeError("zero: the offload update failed") from err
-        self.copies.order(u.h2d)
+                future.set_result(fn())
+            except BaseException as e:      # raised in the caller, at the unit's next wait
+                future.set_exception(e)
+            del fn, future                  # nothing of the engine held here between jobs
 
     def close(self):
-        # the jobs queued before are done first; bounded, so that a hung update cannot hang the exit
         self.jobs.put(None)
         self.thread.join(self.timeout)
 
@@ -2450,8 +2643,8 @@ def _aliases(model):
 # Each file is written under a temporary name, then renamed: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loads slice the layout: any world size and stage loads it.
 
-FORMAT = "zero.py-checkpoint-3"             # 3: aligned layouts, shard sizes in meta.json
-READS = (FORMAT, "zero.py-checkpoint-2")     # 2: parameters back to back
+FORMAT = "zero.py-checkpoint-4"             # 4: each buffer's update rule, in meta.json
+READS = (FORMAT, "zero.py-checkpoint-3", "zero.py-checkpoint-2")   # 3: AdamW; 2: no alignment
 
 
 def _write_atomic(path, write):
@@ -2513,14 +2706,17 @@ def save(engine, path, extra=None):
     if net.rank == 0:
         cfg = engine.cfg
         aliases = _aliases(engine.module)
-        groups = [{k: v for k, v in g.items() if k in GROUP_KEYS or k == "initial_lr"}
-                  for g in engine.optimizer.param_groups]
+        groups = []                         # each param group's rule and its values
+        for g in engine.optimizer.param_groups:
+            keys = {"update", "initial_lr", *RULES[g.get("update", "adamw")].keys}
+            groups.append({k: v for k, v in g.items() if k in keys})
         layout = []                         # per flat buffer: its length, shard size and parameters
         for f in flats:
             params = [dict(name=n, shape=list(p.shape), offset=o, aliases=aliases[id(p)], step=t)
                       for n, p, o, t in zip(f.names, f.params, f.offsets, f.steps)]
+            update = f.rule.name if f.trainable else None   # the rule whose state it holds
             layout.append(dict(numel=f.end, shard=f.padded // n_files, frozen=not f.trainable,
-                               params=params))
+                               update=update, params=params))
         meta = dict(format=FORMAT, world_size=engine.world, shards=n_files, replicas=net.replicas,
                     stage=cfg.stage, dtype=cfg.dtype, config=dataclasses.asdict(cfg),
                     step=engine.step_count, scaler=engine.scaler.state_dict(), param_groups=groups,
@@ -2586,6 +2782,10 @@ class _Files:
         sizes = [f.get("shard", -(-f["numel"] // self.meta["shards"])) for f in self.meta["flats"]]
         self.saved = {p["name"]: (i, p["offset"], sizes[i], p["shape"])
                       for i, f in enumerate(self.meta["flats"]) for p in f["params"]}
+        self.rules = {}                     # name -> the rule that stepped it (None: frozen)
+        for f in self.meta["flats"]:
+            for p in f["params"]:           # (before format 4, every trained buffer's was AdamW)
+                self.rules[p["name"]] = None if f["frozen"] else f.get("update", "adamw")
 
     def __call__(self, r):                  # weights_only: a checkpoint is data, never code
         if r not in self.open:
@@ -2598,6 +2798,9 @@ class _Files:
         # e // size of shard group i % R's files
         if n == 0:                          # a 0-element parameter
             return torch.zeros(0)
+        rule = self.rules[name]
+        if key != "master" and (rule is None or key not in RULES[rule].states):
+            return None                     # saved frozen, or by a rule without this state
         i, offset, size, _ = self.saved[name]
         first = (i % self.meta.get("replicas", 1)) * self.meta["shards"]   # that group's first file
         out = []
@@ -2626,21 +2829,29 @@ def load(engine, path):
                   if n in f.saved and s != f.saved[n][3]]
         _mismatch("the checkpoint is of another model:", [n for n in mine if n not in f.saved],
                   [n for n in f.saved if n not in mine], shapes)
+        for x in (x for u in engine.units for x in u.trains):
+            for n in x.names:               # a state is the rule's that wrote it: never another's
+                saved = f.rules[n]
+                if saved is not None and saved != x.rule.name:
+                    raise ValueError(f"zero: the checkpoint's '{n}' was trained with {saved}, the "
+                                     f"engine's with {x.rule.name}: give it the checkpoint's "
+                                     "update rule, or load the weights alone with "
+                                     "engine.load_state_dict(zero.consolidate(path))")
         # by name: a parameter may sit in another unit, offset or shard than when saved
         return (lambda name, p, start, n, key: f.read(name, start, n, key),
                 {k: v for k, v in f(0)["buffers"].items() if k not in f.saved})
     _restore(engine, prepare, f"load {path}")
     meta = f.meta
-    # AdamW's step count per parameter (its bias correction), by name like the values
+    # the rules' step counts per parameter (AdamW's bias correction), by name like the values
     steps = {p["name"]: p["step"] for x in meta["flats"] for p in x["params"]}
-    for x in (x for u in engine.units for x in u.flats):
-        x.steps = [steps.get(n, 0) for n in x.names]
-    engine.step_count = meta["step"]
+    engine._resume(meta["step"], steps)
     engine.scaler.load_state_dict(meta["scaler"])
     groups = engine.optimizer.param_groups
-    if len(meta["param_groups"]) == len(groups):   # each group's lr, betas, eps, decay as saved
-        for g, s in zip(groups, meta["param_groups"]):
-            g.update(s, betas=tuple(s["betas"]))
+    if len(meta["param_groups"]) == len(groups):   # each group's values as saved
+        for g, saved in zip(groups, meta["param_groups"]):
+            g.update(saved)
+            if "betas" in saved:            # (JSON made it a list)
+                g["betas"] = tuple(saved["betas"])
     else:
         warnings.warn(f"zero: the checkpoint has {len(meta['param_groups'])} param groups, the "
                       f"engine {len(groups)}: the engine's hyperparameters are kept")
@@ -2670,7 +2881,7 @@ def _restore(engine, prepare, what, filled=None):
             moments = {k: torch.zeros(v.shape) for k, v in f.state.items() if k != "master"}
             st = {"master": master.to("cpu", _wide(master.dtype), copy=True), **moments}
             as_held = not f.trainable and not f.cast and f.dtype.is_floating_point
-            for a, b, i in f.segments:
+            for a, b, i in f.pieces:
                 for k in st:
                     piece = read(f.names[i], f.params[i], a + f.lo - f.offsets[i], b - a, k)
                     if piece is None:
@@ -2698,12 +2909,12 @@ def _restore(engine, prepare, what, filled=None):
         if f.out is not None:
             f.out.copy_(st["master"])
     if engine.plan.regathers:
-        _regather([u.stale() for u in engine.units if u.train])
+        _regather([u.stale() for u in engine.units if u.trains])
     with torch.no_grad():
         for k, v in _model_state(engine.module).items():
             if k in extra:
                 v.copy_(extra[k])
-    engine.unfilled -= engine.unfilled if filled is None else filled
+    engine._filled(filled)
     return rounded
 
 

@@ -14,8 +14,35 @@ sharded checkpoints, a ledger of memory and communication.
     python zero.py estimate --params 7.5e9 --world-size 64 [--shard-group 8] [--frozen-params 3e10]
     python zero.py consolidate CKPT_DIR OUT.pt
 
-Sections: 1. Config, Plan  2. Collectives  3. Loss scaler  4. AdamW  5. Flat buffers, units  6. The schedule
-7. The engine  8. Checkpoints  9. Memory estimator, command line
+One step, as data flows (the sections below are in this order):
+
+  Zero(model, cfg)   Plan.of(cfg) says what the stage shards; _param_groups sorts the parameters into torch
+                     param groups, each with an update rule (RULES); each block (an element of the outermost
+                     nn.ModuleList) and the root (the rest) becomes a Unit whose parameters are views into
+                     Flat buffers, one per rule (and one of frozen ones), each rank owning a slice of each.
+  engine(x)          Schedule.enter/pre_forward walk the one order of units all ranks share: stage 3 gathers
+                     (Unit.unshard) each unit before it runs, and frees it (Unit.free) after.
+  engine.backward    autograd's .grad goes into the Flat (Flat.take_grad); once a unit's backward is done its
+                     gradient is reduced (Unit.reduce: all-reduce at stage 0, reduce-scatter at 1-3), in every
+                     micro-batch's backward at stages 2-3, in the last one's at 0-1.
+  engine.step        Zero._agree: one all-reduce of the gradient norm and of a fingerprint of every rank's
+                     collectives; then each rule's step on this rank's slice (Flat.update), and at stages
+                     1-2 an all-gather of the updated slices (stage 3 gathers at the next forward; offload
+                     runs the update on a host thread, HostWorker, behind that forward).
+
+Where the stages differ is Plan's fields, read nowhere else as a stage number: shards_optim (1-3),
+shards_grads (2-3), shards_params (3), regathers (1-2), gathers_lazily (3, offload). Importing zero patches
+torch.nn.utils.clip_grad_norm_ (an engine's parameters are clipped by the engine), torch.compile (an engine
+compiles the model inside it) and adds an optimizer step pre-hook (a torch optimizer that steps an engine's
+parameters, which would change nothing, is an error).
+
+A stage-3 micro-batch on a model of blocks A, B and the root R, traced through the Schedule: enter() gathers
+R (held: used before and after the blocks) and starts nothing else; pre_forward(A) walks to A's place: A is
+gathered, B's gather launched (prefetch); pre_forward(B) frees A (Unit.free: not held) and waits for B; exit()
+frees B. The backward walks the places reversed: the hook on B's output gathers B and starts A's gather; when
+B's backward is done (_PostBackward) B's reduce-scatter launches and B is freed; A's likewise; end_backward()
+launches R's last, awaits all but two in flight as it goes, and frees R. Every rank launches these in this
+order whatever its data: a rank that skips B still gathers and frees it in B's place.
 """
 
 import argparse, atexit, collections, contextlib, ctypes, dataclasses, datetime  # noqa: E401
@@ -1576,6 +1603,9 @@ class Schedule:
             self.evals += 1
         if self.last_ran is not None:       # a block called on its own since the last forward
             self.last_ran.free(pending=True)
+        # what take() and in_turn() rely on: at stage 3 only held units are whole between forwards
+        stray = [u.name for u in self.units if u.phase == WHOLE and not u.held]
+        assert not (self.plan.shards_params and stray), f"whole between forwards: {stray}"
         # a forward with no backward to come (evaluation, a metric, a teacher) walks the first
         # segment, the training walk left where it was; one past the learned segments (after
         # forwards nobody backwarded: a log line's loss, a refused loss.backward()) wraps round

@@ -145,15 +145,18 @@ def spawn(fn, world, *args, method="forkserver"):
 # and (optionally) a parameter shared by two blocks
 
 class Block(nn.Module):
-    def __init__(self, d, h):
+    def __init__(self, d, h, mix=False):
         super().__init__()
         self.ln = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, h)
         self.fc2 = nn.Linear(h, d)
         self.drop = nn.Dropout(0.0)
+        # a third matrix of another size: Muon's matrices then straddle the ranks' slices of a buffer
+        self.mix = nn.Linear(d, d, bias=False) if mix else None
 
     def forward(self, x):
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+        y = x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+        return y + 0.5 * self.mix(x) if self.mix is not None else y
 
 
 class Shift(nn.Module):
@@ -168,11 +171,11 @@ class Shift(nn.Module):
 
 class TinyNet(nn.Module):
     def __init__(self, vocab=29, d=14, h=37, n_blocks=3, seq=8, share=False, dropout=0.0, tie=True, reverse=False,
-                 shift=False):
+                 shift=False, mix=False):
         super().__init__()
         self.reverse = reverse                                  # run the blocks last to first
         self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([Block(d, h) for _ in range(n_blocks)] + [Shift()] * shift)
+        self.blocks = nn.ModuleList([Block(d, h, mix) for _ in range(n_blocks)] + [Shift()] * shift)
         for b in self.blocks[:n_blocks]:
             b.drop.p = dropout
         self.norm = nn.LayerNorm(d)
@@ -262,15 +265,82 @@ def train(rank, world, cfg, steps, batch, model_kw=None, lr_schedule=None):
                 root=engine.root.train.padded if engine.root else 0, scale=engine.loss_scale,
                 peak_gathered=engine.peak_gathered_bytes, max_unit=max(u.train.padded for u in engine.units[:-1]),
                 frozen=engine.num_params(padded=True, frozen=True), root_all=sum(f.padded for f in engine.root.flats),
+                muon_padded=sum(f.padded for u in engine.units for f in u.trains if f.rule.name == "muon"),
                 step_count=engine.step_count)
 
 
-def reference16(steps, batch, world, cfg, accum=1, skip=(), scales=None, lr=None, **model_kw):
+def ref_newton_schulz(g, steps=5):
+    """Keller Jordan's muon.py (zeropower_via_newtonschulz5), written out here again: the engine's must not
+    check itself."""
+    a, b, c = (3.4445, -4.7750, 2.0315)
+    x = g.bfloat16()
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = x @ x.mT
+        B = b * A + c * A @ A
+        x = a * x + B @ x
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    return x
+
+
+def ref_muon_(p, grad, m, lr, weight_decay, momentum=0.95, nesterov=True, ns_steps=5, orthogonalize=True):
+    """muon.py's update of one matrix in place (orthogonalize=False: SGD with Nesterov momentum, a planted bug)."""
+    m.lerp_(grad, 1 - momentum)
+    u = grad.lerp_(m, momentum) if nesterov else m
+    u = u.reshape(len(u), -1)
+    if orthogonalize:
+        u = ref_newton_schulz(u, ns_steps)
+        u *= max(1, u.size(-2) / u.size(-1)) ** 0.5
+    p.mul_(1 - lr * weight_decay)
+    p.add_(u.reshape(p.shape), alpha=-lr)
+
+
+def muon_split(model):
+    """Config(update="muon")'s split of the trainable parameters: the matrices but the embeddings and the last
+    Linear (the head), and the rest."""
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    skip.add(id([m for m in model.modules() if isinstance(m, nn.Linear)][-1].weight))
+    ps = [p for p in model.parameters() if p.requires_grad]
+    mats = [p for p in ps if p.dim() >= 2 and id(p) not in skip]
+    return mats, [p for p in ps if all(p is not q for q in mats)]
+
+
+def muon_reference(steps, batch, cfg, orthogonalize=True, **model_kw):
+    """Single process, fp32, the global batch: clip_grad_norm_ over all parameters, then muon.py's update on the
+    matrices at cfg.lr and torch AdamW on the rest at cfg.adamw_lr (decay on >= 2-D tensors)."""
+    model = make_model(**model_kw)
+    mats, rest = muon_split(model)
+    opt = torch.optim.AdamW([dict(params=[p for p in rest if p.dim() >= 2]),
+                             dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0)],
+                            lr=cfg.adamw_lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    moms = [torch.zeros_like(p) for p in mats]
+    xs, ys = make_batches(steps, batch)
+    losses, norms = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        for p in mats:
+            p.grad = None
+        loss = model(xs[s], ys[s])["loss"]
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(mats, moms):
+                ref_muon_(p, p.grad, m, cfg.lr, cfg.weight_decay, orthogonalize=orthogonalize)
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference16(steps, batch, world, cfg, accum=1, skip=(), scales=None, lr=None, muon=False, **model_kw):
     """The engine's arithmetic in one process, for 16-bit compute (FSDP2's tests do the same): each rank's slice
     and micro-batch run forward and backward in the compute dtype, as that rank runs them, with one thread as
     each rank has; the gradients averaged in fp32 (reduce_dtype="fp32"'s sum), unscaled, clipped by
     clip_grad_norm_'s rule; torch's fused AdamW on fp32 master weights, whose rounding is the next step's
-    model. Steps in `skip` are skipped as an fp16 overflow skips them; `scales`: the loss scale of each step."""
+    model. Steps in `skip` are skipped as an fp16 overflow skips them; `scales`: the loss scale of each step.
+    muon=True: muon.py's update on the matrices (muon_split), AdamW at cfg.adamw_lr on the rest."""
     dtype, threads = zero.DTYPES[cfg.dtype], torch.get_num_threads()
     torch.set_num_threads(1)                # bf16 matmuls round differently with other thread counts
     try:
@@ -279,10 +349,13 @@ def reference16(steps, batch, world, cfg, accum=1, skip=(), scales=None, lr=None
         p16 = dict(model16.named_parameters())
         names = [n for n in p16 if p16[n].requires_grad]
         master = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters() if p.requires_grad}
-        opt = torch.optim.AdamW([dict(params=[master[n] for n in names if master[n].dim() >= 2]),
-                                 dict(params=[master[n] for n in names if master[n].dim() < 2], weight_decay=0.0)],
-                                lr=lr or cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                fused=True)
+        mats = [n for n in names if muon and any(p16[n] is q for q in muon_split(model16)[0])]
+        moms = {n: torch.zeros_like(master[n]) for n in mats}
+        rest = [n for n in names if n not in mats]
+        opt = torch.optim.AdamW([dict(params=[master[n] for n in rest if master[n].dim() >= 2]),
+                                 dict(params=[master[n] for n in rest if master[n].dim() < 2], weight_decay=0.0)],
+                                lr=lr or (cfg.adamw_lr if muon else cfg.lr), betas=cfg.betas, eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, fused=True)
         xs, ys = make_batches(steps, batch)
         per, losses, norms = batch // world, [], []
         mb = per // accum
@@ -307,6 +380,9 @@ def reference16(steps, batch, world, cfg, accum=1, skip=(), scales=None, lr=None
             for n in names:
                 master[n].grad = g[n] * (clip / scale)
             opt.step()
+            with torch.no_grad():
+                for n in mats:
+                    ref_muon_(master[n], master[n].grad, moms[n], cfg.lr, cfg.weight_decay)
             with torch.no_grad():
                 for n in names:
                     p16[n].copy_(master[n])
@@ -2035,6 +2111,18 @@ BAD_INPUT = [
     (["--data=SHORT"], "fewer than one block"),
     (["--init_from=OTHER"], "does not fit this model (load_state_dict: missing ['wpe.weight'"),
 ]
+def test_train_gpt_trains_with_muon(tmp_path):
+    r = run_train_gpt(TINY_GPT + ["--stage=3", "--update=muon", "--muon_lr=0.02", "--max_iters=8",
+                                  f"--out_dir={tmp_path}"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    losses = step_losses(r.stdout)
+    assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1] - 0.3, losses
+    assert "muon_all_gather" in r.stdout and "muon_reduce_scatter" in r.stdout, r.stdout[-2000:]
+    # the engine's bytes as the formula gives them, Muon's one state per matrix parameter counted
+    engine, est = re.search(r"memory/rank device engine: (.*) \| estimate: (.*)", r.stdout).groups()
+    assert engine.split("optim")[1].split()[0] == est.split("optim")[1].split()[0], (engine, est)
+
+
 _BAD_RUNS = {}
 
 
@@ -4385,6 +4473,180 @@ def test_offload_copies_take_their_own_streams_in_order_on_the_cpu():
             tag = f"rank {rank} stage {stage} {dtype}"
             _check_parity(r, dtype, ref, tag)
             _check_stream_order(r["log"], r["shards"], r["staging"], tag)
+
+
+# -----------------------------------------------------------------------------
+# Muon: each matrix orthogonalized whole, once, by the rank it is assigned to, from the ranks' slices
+
+MUON = dict(lr=0.02, adamw_lr=LR, update="muon")
+MUON_KW = dict(mix=True)        # blocks of three matrices of two sizes: they straddle the ranks' slices
+MUON_BATCH = 16                 # whole micro-batches at 1, 2 and 4 ranks with accumulation 2
+MUON_CASES = [(s, d, red, a) for s in range(4) for d, red in (("fp32", ""), ("bf16", "fp32"), ("bf16", ""))
+              for a in (1, 2)]
+# (matrices, the rest): the relative difference of the update from the reference's. Measured (4 steps, world
+# 1, 2 and 4): fp32 against muon.py in fp32, and bf16 with fp32 reductions against reference16's arithmetic: 0
+# on the matrices (2.2e-3 in other layouts, where Newton-Schulz's bf16 input rounds a value the other way), at
+# most 4.5e-7 on the rest; bf16 reduced in bf16: 7.9e-2 to 8.9e-2 on the matrices (a 16-bit sum's rounding,
+# which Newton-Schulz amplifies along small singular values), 2.6e-2 on the rest. A planted SGD in place of
+# Muon gives 1.0, a rank that orthogonalizes only its own slice of each matrix 0.68.
+MUON_TOL = {("fp32", ""): (1e-2, 1e-4), ("bf16", "fp32"): (1e-2, 3e-2), ("bf16", ""): (0.15, 6e-2)}
+
+
+def muon_names(model):
+    mats = {id(p) for p in muon_split(model)[0]}
+    return [k for k, v in model.state_dict(keep_vars=True).items() if id(v) in mats]
+
+
+def _check_muon(r, ref, tag, dtype, red):
+    """The matrices' update, and the rest's, against the reference's, with the tolerances measured above."""
+    losses, norms, sd = ref
+    mat_tol, rest_tol = MUON_TOL[(dtype, red)]
+    near = 1e-5 if (dtype, red) == ("fp32", "") else 3e-3
+    assert all(r["oks"]), tag
+    for a, b in zip(r["losses"] + r["norms"], losses + norms):
+        assert abs(a - b) <= near * abs(b), (tag, r["losses"], losses, r["norms"], norms)
+    init = make_model(**MUON_KW).state_dict()
+    mats = muon_names(make_model(**MUON_KW))
+    rest = [k for k in sd if k not in mats and not torch.equal(sd[k], init[k])]
+    upd = lambda d, ks: torch.cat([(d[k] - init[k]).flatten() for k in ks])   # noqa: E731
+    assert len(mats) == 9 and len(rest) >= 10, (mats, rest)
+    err_mats, err_rest = _max_rel(upd(r["sd"], mats), upd(sd, mats)), _max_rel(upd(r["sd"], rest), upd(sd, rest))
+    assert err_mats < mat_tol and err_rest < rest_tol, (tag, err_mats, err_rest)
+    return err_mats
+
+
+def _muon_cases(rank, world):
+    out = {}
+    for stage, dtype, red, accum in MUON_CASES:
+        cfg = zero.Config(stage=stage, dtype=dtype, reduce_dtype=red, accum_steps=accum, **MUON)
+        out[(stage, dtype, red, accum)] = train(rank, world, cfg, STEPS, MUON_BATCH, model_kw=MUON_KW)
+    if world == 2:                          # a planted bug: every rank sees only its own slice of each matrix
+        real = zero.Comm.all_gather
+
+        def own_slice(self, out, inp, kind="all_gather", sync=True, tag=None):
+            return None if kind == "muon_all_gather" else real(self, out, inp, kind, sync, tag)
+        zero.Comm.all_gather = own_slice
+        try:
+            out["own slice"] = train(rank, world, zero.Config(stage=1, dtype="fp32", **MUON), STEPS, MUON_BATCH,
+                                     model_kw=MUON_KW)
+        finally:
+            zero.Comm.all_gather = real
+    if world == 4:                          # hybrid: two shard groups of two
+        for stage in (1, 3):
+            cfg = zero.Config(stage=stage, dtype="fp32", shard_group=2, **MUON)
+            out[("hybrid", stage)] = train(rank, world, cfg, STEPS, MUON_BATCH, model_kw=MUON_KW)
+    return out if rank == 0 else None
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_muon_matches_muon_py_at_every_stage(world):
+    res = spawn(_muon_cases, world)[0]
+    ref = muon_reference(STEPS, MUON_BATCH, zero.Config(**MUON), **MUON_KW)
+    ref16 = {a: reference16(STEPS, MUON_BATCH, world, zero.Config(dtype="bf16", **MUON), accum=a, muon=True, **MUON_KW)
+             for a in (1, 2)}
+    for (stage, dtype, red, accum), r in ((k, v) for k, v in res.items() if len(k) == 4):
+        tag = f"Muon stage {stage} {dtype} reduce_dtype={red!r} accum {accum} world {world}"
+        _check_muon(r, ref if dtype == "fp32" else ref16[accum], tag, dtype, red)
+        if accum == 1:                      # sharding itself adds no error: every stage is stage 0's
+            for k, v in res[(0, dtype, red, 1)]["sd"].items():
+                assert (r["sd"][k] - v).abs().max() <= 1e-6, (tag, k)
+        # the ledger: the blends all-gathered and the results reduce-scattered in bf16, each Muon buffer once a
+        # step; together at most two all-gathers of the units' parameters in the compute dtype
+        n, comm = world, r["comm"]
+        muon = {k: v["bytes"] for k, v in comm.items() if k.startswith("muon")}
+        if world > 1 and stage > 0:
+            each = r["muon_padded"] * 2 * (n - 1) // n
+            assert muon == {"muon_all_gather": each, "muon_reduce_scatter": each}, (tag, muon)
+        elif world > 1:                     # stage 0: every rank has the blends; the results all-reduced
+            assert muon == {"muon_all_reduce": 2 * r["muon_padded"] * 2 * (n - 1) // n}, (tag, muon)
+        itemsize = zero.DTYPES[dtype].itemsize
+        assert sum(muon.values()) <= 2 * r["psi_padded"] * itemsize * (n - 1) // n, (tag, muon)
+        # Muon keeps one fp32 state per parameter, AdamW two
+        want = zero.estimate_memory(r["psi_padded"], world, stage, dtype, reduce_dtype=red, accum_steps=accum,
+                                    frozen_params=r["frozen"], muon_params=r["muon_padded"], device="cpu")
+        assert r["mem"] == want, (tag, r["mem"], want)
+    if world == 2:
+        # the tolerance tells Muon from what a bug would run instead, by orders of magnitude
+        sgd = muon_reference(STEPS, MUON_BATCH, zero.Config(**MUON), orthogonalize=False, **MUON_KW)
+        init, mats = make_model(**MUON_KW).state_dict(), muon_names(make_model(**MUON_KW))
+        upd = lambda d: torch.cat([(d[k] - init[k]).flatten() for k in mats])   # noqa: E731
+        for bad in (sgd[2], res["own slice"]["sd"]):
+            assert _max_rel(upd(bad), upd(ref[2])) > 30 * MUON_TOL[("fp32", "")][0]
+    if world == 4:
+        for stage in (1, 3):
+            _check_muon(res[("hybrid", stage)], ref, f"Muon hybrid stage {stage}", "fp32", "")
+
+
+def _muon_resume(rank, world, ckpt, stage):
+    """4 steps straight; 2 steps, save, a new engine, load, 2 more steps; returns both, with the momentum."""
+    cfg = zero.Config(stage=stage, dtype="bf16", **MUON)
+    straight = _steps(rank, world, zero.Zero(make_model(**MUON_KW), cfg))
+    first = zero.Zero(make_model(**MUON_KW), cfg)
+    _steps(rank, world, first, steps=2)
+    zero.save(first, ckpt)
+    again = zero.Zero(make_model(seed=5, **MUON_KW), cfg)
+    zero.load(again, ckpt)
+    xs, ys = make_batches(STEPS, BATCH)
+    per = BATCH // world
+    for s in (2, 3):
+        again.backward(again(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"])
+        again.step()
+    moms = {n: f.state["momentum_buffer"].clone() for u in first.units for f in u.trains if f.rule.name == "muon"
+            for n in f.names}
+    return dict(straight=straight["sd"], resumed=again.full_state_dict(), m=moms)
+
+
+def _muon_reload(rank, world, ckpt):
+    """The world-2 stage-3 checkpoint at world 1, stage 0, and into an engine that steps AdamW."""
+    engine = zero.Zero(make_model(**MUON_KW), zero.Config(stage=0, dtype="bf16", **MUON))
+    zero.load(engine, ckpt)
+    whole = {}                              # each matrix's momentum as the world-1 engine holds it
+    for f in (f for u in engine.units for f in u.trains if f.rule.name == "muon"):
+        for n, p, o in zip(f.names, f.params, f.offsets):
+            whole[n] = f.state["momentum_buffer"][o:o + p.numel()].clone()
+    adamw = zero.Zero(make_model(**MUON_KW), zero.Config(stage=0, dtype="bf16", lr=LR))
+    with pytest.raises(ValueError, match=r"checkpoint's 'blocks.0.fc1.weight' was trained with muon, the engine's "
+                                         r"with adamw: give it the checkpoint's update rule"):
+        zero.load(adamw, ckpt)
+    return whole
+
+
+def test_muon_resumes_exactly_and_its_momentum_reshards(tmp_path):
+    for stage in (1, 3):
+        ckpt = str(tmp_path / f"muon{stage}")
+        res = spawn(_muon_resume, 2, ckpt, stage)
+        for r in res:                       # resumed on as many ranks: bit for bit the run that went straight on
+            assert all(torch.equal(r["straight"][k], r["resumed"][k]) for k in r["straight"]), stage
+    whole = spawn(_muon_reload, 1, ckpt)[0]
+    # each matrix's momentum, from the two ranks' slices, at its offset in the world-1 layout
+    saved = {}
+    for r in res:
+        for n, m in r["m"].items():
+            saved.setdefault(n, []).append(m)
+    engine = zero.Zero(make_model(**MUON_KW), zero.Config(stage=3, dtype="bf16", **MUON))   # world 1's layout
+    for f in (f for u in engine.units for f in u.trains if f.rule.name == "muon"):
+        flat = torch.cat([saved[f.names[0]][0], saved[f.names[0]][1]])   # the two ranks' slices, end to end
+        for n, p, o in zip(f.names, f.params, f.offsets):
+            assert torch.equal(whole[n], flat[o:o + p.numel()]) and whole[n].abs().sum() > 0, n
+
+
+def test_muon_refusals():
+    model = make_model(**MUON_KW)
+    groups = [dict(params=[model.blocks[0].fc1.weight, model.blocks[0].ln.weight], update="muon")]
+    with pytest.raises(ValueError, match=r"param_groups\[0\] is Muon's, which steps matrices, but holds "
+                                         r"\['blocks.0.ln.weight'\] of fewer than 2 dims"):
+        zero.Zero(model, zero.Config(stage=0, dtype="fp32"), param_groups=groups)
+    with pytest.raises(ValueError, match="Muon with offload=True"):
+        zero.Zero(make_model(**MUON_KW), zero.Config(stage=2, offload=True, update="muon"))
+    with pytest.raises(ValueError, match="update='muon' with optimizer="):
+        model = make_model()
+        zero.Zero(model, zero.Config(update="muon"), optimizer=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="update='sgd': use 'adamw' or 'muon'"):
+        zero.Config(update="sgd").validate()
+    with pytest.raises(ValueError, match=r"has unknown keys \['betas'\]; zero's muon takes"):
+        model = make_model()
+        zero.Zero(model, zero.Config(), param_groups=[dict(params=[model.blocks[0].fc1.weight], update="muon",
+                                                          betas=(0.9, 0.9))])
 
 
 # A process forked from one that asked torch about CUDA cannot use CUDA: the GPU tests' processes are spawned

@@ -63,7 +63,9 @@ min_lr = 1e-4           # the floor of the schedule, ~lr/10 as in Chinchilla
 stage = 2               # 0 plain data parallel | 1 shard optimizer | 2 + shard grads | 3 + shard params
 dtype = "auto"          # fp32 | bf16 | fp16 | auto (bf16 where the GPU or CPU computes it natively, else
                         # fp16 on GPUs, fp32 on CPUs)
+update = "adamw"        # adamw | muon: Muon on the blocks' matrices at muon_lr, AdamW at lr on the rest
 lr = 2e-3               # peak learning rate (small models take a large one; gpt2 wants ~6e-4)
+muon_lr = 0.02          # update=muon: Muon's peak learning rate (the schedule scales both alike)
 beta1 = 0.9             # AdamW betas
 beta2 = 0.95
 eps = 1e-8              # AdamW epsilon
@@ -345,6 +347,8 @@ def main():
         print("note: fp16 matmuls run ~100x slower than bf16 on most CPUs; --dtype=bf16 is the CPU choice")
     zcfg = zero.Config(**{f.name: cfg[f.name] for f in dataclasses.fields(zero.Config) if f.name in cfg},
                        betas=(beta1, beta2))
+    if update == "muon":  # Config.lr is then Muon's, adamw_lr the AdamW group's
+        zcfg = dataclasses.replace(zcfg, lr=muon_lr, adamw_lr=lr)
     os.makedirs(out_dir, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     splits, vocab_size, encode, decode = load_data(data, block_size, out_dir, local_rank)
@@ -357,10 +361,13 @@ def main():
     params = [p for p in net.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if update == "muon":  # zero's own split: Muon on the matrices, AdamW on embeddings, head and the rest
+        groups = None
     try:
         engine = zero.Zero(net, zcfg, init_fn=init_weights, param_groups=groups)
     except ValueError as e:  # zero names a bad config (stage=7, offload at stage 0...) and its fix
         fail(str(e))
+    peak_lrs = [g["lr"] for g in engine.optimizer.param_groups]  # each group's, before a resume sets them
     if init_from and not resume:
         if not os.path.isfile(init_from):
             fail(f"--init_from={init_from}: no such file")
@@ -387,8 +394,9 @@ def main():
         print("config: " + " ".join(f"{k}={v}" for k, v in cfg.items()))
         print(f"model: {n_params / 1e6:.2f}M parameters, vocab {vocab_size} | world {world} on {gpu or device.type} | "
               f"{tokens_per_step:,} tokens/step | tokens train {len(splits['train']):,} val {len(splits['val']):,}")
+        n_muon = sum(p.numel() for g in engine.optimizer.param_groups if g.get("update") == "muon" for p in g["params"])
         est = zero.estimate_memory(n_params, world, stage, dtype=cfg["dtype"], offload=offload, shard_group=shard_group,
-                                   device=device.type)
+                                   device=device.type, muon_params=n_muon)
         mem = engine.memory()
         for where in ("device", "host"):
             print(f"memory/rank {where:6s} engine: {mib(mem[where])} | estimate: {mib(est[where])}")
@@ -420,8 +428,8 @@ def main():
             loss_sum += loss.detach()
         # the mean over ranks for the log; its .item() also waits for the device, so the timing is honest
         loss_avg = mean_over_ranks(loss_sum / accum_steps, device)
-        for group in engine.optimizer.param_groups:  # torch's way: step() reads every group's lr as it is now
-            group["lr"] = get_lr(step)
+        for group, peak_lr in zip(engine.optimizer.param_groups, peak_lrs):  # step() reads each group's lr now
+            group["lr"] = get_lr(step) * peak_lr / lr
         ok = engine.step()
         step += 1
         ms = (time.time() - t0) * 1000

@@ -77,7 +77,9 @@ class Config:
     dtype: str = "bf16"             # compute: "fp32" | "bf16" | "fp16"
     reduce_dtype: str = ""          # gradient reductions and sums: "" = dtype | "fp32"
     frozen_dtype: str = ""          # frozen parameters: "" = dtype | "fp32" (cast when gathered)
-    lr: float = 3e-4                # AdamW's (a scheduler on engine.optimizer changes it)
+    update: str = "adamw"           # "adamw" | "muon": Muon on the matrices, AdamW on the rest (RULES)
+    lr: float = 3e-4                # the update's (a scheduler on engine.optimizer changes it)
+    adamw_lr: float = 3e-4          # update="muon": the lr of the AdamW group
     betas: tuple = (0.9, 0.95)      # AdamW's
     eps: float = 1e-8               # AdamW's
     weight_decay: float = 0.1       # decoupled; with no param groups, on parameters of >= 2 dims
@@ -112,8 +114,9 @@ class Config:
             (not isinstance(k, bool) and not (isinstance(k, int) and k >= 1),
              f"checkpoint={k!r}: use False, True, or k >= 1 (every k-th unit)"),
             (self.offload and stage == 0, "offload=True needs stage 1, 2 or 3"),
-            (not (self.lr >= 0 and self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0),
-             "lr, weight_decay and grad_clip must be >= 0, eps > 0"),
+            (self.update not in ("adamw", "muon"), f"update={self.update!r}: use 'adamw' or 'muon'"),
+            (not (min(self.lr, self.adamw_lr, self.weight_decay, self.grad_clip) >= 0 and self.eps > 0),
+             "lr, adamw_lr, weight_decay and grad_clip must be >= 0, eps > 0"),
             (len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas),
              f"betas={self.betas!r}: use two numbers in [0, 1)"),
             (self.hysteresis < 1 or self.loss_scale_window < 1 or self.min_loss_scale <= 0,
@@ -417,8 +420,8 @@ class Comm:
     def all_reduce(self, t, purpose="world", kind="scalar", sync=True, tag=None):
         return self._launch(_all_reduce, purpose, kind, t, 2, tag, sync, t)
 
-    def reduce_scatter(self, out, inp, sync=True, tag=None):   # out is inp's own slice
-        return self._launch(_reduce_scatter, "shard", "reduce_scatter", inp, 1, tag, sync, out, inp)
+    def reduce_scatter(self, out, inp, kind="reduce_scatter", sync=True, tag=None):   # out: inp's slice
+        return self._launch(_reduce_scatter, "shard", kind, inp, 1, tag, sync, out, inp)
 
     def all_gather(self, out, inp, kind="all_gather", sync=True, tag=None):   # inp may be in out
         return self._launch(_all_gather, "shard", kind, out, 1, tag, sync, out, inp)
@@ -822,7 +825,7 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=Non
             out[a:b].copy_(master[a:b])
 
 
-def _adamw(f, runs, groups, mult, out):
+def _adamw(f, runs, groups, mult, out, net, tag):
     # AdamW on a Flat's owned slice, each run (a, b, group, step) with its group's values as they are now
     hyper = []
     for a, b, j, step in runs:
@@ -840,15 +843,87 @@ class Rule:
     states: tuple                   # the state beside the fp32 master, each the owned slice's size
     keys: tuple                     # the param group keys it reads, besides "params" and "update"
     defaults: object                # Config -> the values of those keys, for groups that omit them
-    step: object                    # step(flat, runs, groups, mult, out): the owned slice updated
+    step: object                    # step(flat, runs, groups, mult, out, net, tag): the slice updated
+    matrices: bool                  # it steps whole matrices (>= 2 dims), a collective per buffer
 
 
 def _adamw_defaults(cfg):
-    return dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    lr = cfg.lr                         # (update="muon": Config.lr is Muon's)
+    if cfg.update == "muon":
+        lr = cfg.adamw_lr
+    return dict(lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+# Muon (Keller Jordan, 2024: github.com/KellerJordan/Muon) orthogonalizes each weight matrix's momentum:
+# the update is the nearest semi-orthogonal matrix, found by five Newton-Schulz iterations in bf16, which
+# need the whole matrix. Each matrix is assigned to one rank of the shard group (balanced by its cost,
+# Flat.assign), which orthogonalizes it once for all: the blended momenta's slices are all-gathered in
+# bf16, each rank runs its matrices, and one reduce-scatter of the results (zeros elsewhere: an exact sum)
+# gives every rank its slice. Per step and unit: about two bf16 all-gathers of its matrices; memory: two
+# bf16 copies of one unit's matrices at a time.
+
+def newton_schulz(g, steps=5):
+    """muon.py's zeropower_via_newtonschulz5: the quintic iteration on g / ||g||_F in bf16, on the
+    transpose where g has more rows than columns."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.bfloat16()
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        m = x @ x.mT
+        x = a * x + (b * m + c * m @ m) @ x
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    return x
+
+
+def _muon(f, runs, groups, mult, out, net, tag):
+    # Muon on a Flat's owned slice: the momentum, and its Nesterov blend, on the slice; each matrix
+    # orthogonalized by the rank assigned to it, from the blends gathered whole; then decay and update
+    st = f.state
+    whole = torch.zeros(f.padded, dtype=torch.bfloat16, device=f.plan.device)
+    mine = whole[f.lo:f.hi]                 # this rank's slice of the blended momenta
+    for a, b, j, _ in runs:
+        g = groups[j]
+        grad = f.grad_shard[a:b].float() * mult
+        m = st["momentum_buffer"][a:b]
+        m.lerp_(grad, 1 - g["momentum"])
+        if g["nesterov"]:
+            mine[a:b] = grad.lerp_(m, g["momentum"])
+        else:
+            mine[a:b] = m
+    sharded = f.hi - f.lo < f.padded        # (stage 0: every rank has every slice)
+    if sharded:
+        net.wait(net.all_gather(whole, mine, "muon_all_gather", sync=False, tag=tag))
+    ortho = torch.zeros_like(whole)         # the results of this rank's matrices, zeros elsewhere
+    for i, (p, o) in enumerate(zip(f.params, f.offsets)):
+        if f.ns_rank[i] == f.plan.shard_rank and f.used[i]:
+            x = whole[o:o + p.numel()].view(p.shape[0], -1)
+            u = newton_schulz(x, groups[f.group[i]]["ns_steps"])
+            u *= max(1, u.size(-2) / u.size(-1)) ** 0.5
+            ortho[o:o + p.numel()] = u.view(-1)
+    if sharded:
+        net.wait(net.reduce_scatter(ortho[f.lo:f.hi], ortho, "muon_reduce_scatter", False, tag))
+    else:
+        net.wait(net.all_reduce(ortho, "shard", "muon_all_reduce", False, tag))
+    for a, b, j, _ in runs:
+        g = groups[j]
+        master = st["master"][a:b]
+        master.mul_(1 - g["lr"] * g["weight_decay"])
+        master.add_(ortho[f.lo + a:f.lo + b], alpha=-g["lr"])
+        if out is not None:
+            out[a:b].copy_(master)
+
+
+def _muon_defaults(cfg):
+    return dict(lr=cfg.lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=cfg.weight_decay)
 
 
 RULES = {"adamw": Rule("adamw", ("exp_avg", "exp_avg_sq"), ("lr", "betas", "eps", "weight_decay"),
-                       _adamw_defaults, _adamw)}
+                       _adamw_defaults, _adamw, False),
+         "muon": Rule("muon", ("momentum_buffer",), ("lr", "momentum", "nesterov", "ns_steps",
+                                                     "weight_decay"), _muon_defaults, _muon, True)}
 
 
 # -----------------------------------------------------------------------------
@@ -906,6 +981,8 @@ class Flat:
         # per parameter
         self.steps = [0] * len(sizes)       # the rule's steps (AdamW's bias correction)
         self.group = list(groups or [0] * len(sizes))   # its param group
+        self.used = [False] * len(sizes)    # a gradient came on some rank for this step
+        self.ns_rank = [None] * len(sizes)  # Muon: the shard rank that orthogonalizes it
         self.written = set()                # those whose gradient is in grad
         self.got = set()                    # those whose gradient came since the last step
         # what build() makes
@@ -1051,7 +1128,8 @@ class Flat:
         # `used`, per parameter, whether a rank had its gradient: their step counts advance (the rest
         # are left alone, as torch's optimizers leave them). Returns the rule's calls, one per run of
         # adjacent parameters with a gradient, the same group and step count: (a, b, group, step)
-        self.steps = [step + bool(g) for step, g in zip(self.steps, used)]
+        self.used = [bool(g) for g in used]
+        self.steps = [step + g for step, g in zip(self.steps, self.used)]
         runs = []
         for a, b, i in self.pieces:
             key = [self.group[i], self.steps[i]]
@@ -1066,7 +1144,18 @@ class Flat:
     def set_steps(self, steps):
         self.steps = list(steps)
 
-    def update(self, runs, groups, mult, copies):
+    def assign(self, loads):
+        # a rule of whole matrices: each of them to the shard rank with the least work so far (loads,
+        # per rank, the Newton-Schulz cost assigned: ~ rows x cols x min(rows, cols)), largest first
+        if not self.rule.matrices:
+            return
+        shapes = [(p.shape[0], p.numel() // max(1, p.shape[0])) for p in self.params]
+        by_cost = sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i]) * min(shapes[i]))
+        for i in by_cost:
+            self.ns_rank[i] = loads.index(min(loads))
+            loads[self.ns_rank[i]] += math.prod(shapes[i]) * min(shapes[i])
+
+    def update(self, runs, groups, mult, copies, net, tag):
         # the rule's step on the owned slice; offload on CUDA writes the pinned staging copy first,
         # then copies the runs to the device (a parameter without a gradient keeps its value)
         if copies is not None:              # its gradient on the host; the last copy out of staging
@@ -1074,7 +1163,7 @@ class Flat:
         out = self.out
         if self.staging is not None:
             out = self.staging
-        self.rule.step(self, runs, groups, mult, out)
+        self.rule.step(self, runs, groups, mult, out, net, tag)
         if self.staging is not None:
             self.h2d_event = copies.to_device([(self.out[a:b], self.staging[a:b]) for a, b, _, _ in runs])
 
@@ -1233,7 +1322,7 @@ class Unit:
         assert not whole, f"{self.name} is whole across an update"
         copies = self.worker.copies if self.worker is not None else None
         for f, rs in zip(self.trains, runs):
-            f.update(rs, groups, mult, copies)
+            f.update(rs, groups, mult, copies, self.net, self.index)
 
     def start_update(self, mult, runs, groups):
         # offload: the update queued on the worker's thread; the next gather of this unit waits
@@ -1846,13 +1935,37 @@ def _param_groups(model, cfg, param_groups, optimizer):
         names = [name[id(p)] for p in rest[:5]]
         raise ValueError(f"zero.Zero: {names} require grad but are in no param group of the "
                          "optimizer; add them to it, or freeze them before zero.Zero")
-    # parameters in no group: Config's values, weight decay on >= 2-D ones only
+    if adopt and cfg.update == "muon":
+        raise ValueError("zero.Zero: update='muon' with optimizer=: a torch Adam/AdamW's groups "
+                         "leave nothing to Muon; pass param_groups with 'update': 'muon', or no "
+                         "optimizer")
+    # parameters in no group: Config's values, weight decay on >= 2-D ones only; update="muon":
+    # Muon on the matrices but the embeddings (and what is tied to them) and the output head (the
+    # last nn.Linear, as in nanoGPT and Hugging Face's models), AdamW at adamw_lr on the rest
+    muon = dict(params=[], update="muon", **RULES["muon"].defaults(cfg))
+    if cfg.update == "muon":
+        skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        if linears:
+            skip.add(id(linears[-1].weight))
+        muon["params"] = [p for p in rest if p.dim() >= 2 and id(p) not in skip]
+        rest = [p for p in rest if p.dim() < 2 or id(p) in skip]
     decayed = dict(params=[p for p in rest if p.dim() >= 2], **RULES["adamw"].defaults(cfg))
     not_decayed = dict(decayed, params=[p for p in rest if p.dim() < 2], weight_decay=0.0)
-    for g in (decayed, not_decayed):
+    for g in (muon, decayed, not_decayed):
         if g["params"]:
             groups.append(g)
             group_of.update(dict.fromkeys(map(id, g["params"]), len(groups) - 1))
+    for j, g in enumerate(groups):          # Muon's matrices on the device
+        if g.get("update") != "muon":
+            continue
+        if cfg.offload:
+            raise ValueError("zero.Zero: Muon with offload=True: its Newton-Schulz runs on whole "
+                             "matrices on the device; use offload=False, or update='adamw'")
+        flat = [name[id(p)] for p in g["params"] if p.dim() < 2]
+        if flat:
+            raise ValueError(f"zero.Zero: param_groups[{j}] is Muon's, which steps matrices, but "
+                             f"holds {flat[:5]} of fewer than 2 dims: give them an AdamW group")
     return groups, group_of
 
 
@@ -2016,6 +2129,9 @@ class Zero:
                 unit_of[id(m)] = u
                 self.units.append(u)
         self.root = unit_of.get(id(self.module))   # the root's unit, or None
+        loads = [0] * plan.shards           # Muon: each shard rank's Newton-Schulz work
+        for f in (f for u in self.units for f in u.trains):
+            f.assign(loads)
         self.owned = {id(p) for u in self.units for p in u.params}   # every parameter, by identity
         self.sched = s = Schedule(self.units, plan, net)   # the one order of the collectives
         self.optimizer = ZeroOptimizer(self, groups, optimizer)   # torch's face of the rules
@@ -2968,14 +3084,15 @@ def consolidate(path):
 
 def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, shard_group=0,
                     frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1, num_tensors=0,
-                    device="cuda"):
+                    device="cuda", muon_params=0):
     """The ZeRO paper's model-state bytes per rank: params and grads in the compute dtype (grads in
     fp32 with reduce_dtype="fp32"), fp32 master (none in fp32 compute) and two fp32 Adam moments,
     each sharded by the stage across the shard group; frozen parameters in the compute dtype
     (frozen_dtype="fp32": in fp32, plus a compute copy at stages 0-2), sharded at stage 3 only.
     num_params as the engine holds them (num_params(padded=True)) is exact; as the model has them,
     num_tensors (trainable tensors) adds the padding's bound: < 16 bytes before each tensor, N x 16
-    after each unit. Offload on CUDA (device="cuda") pins the owned 16-bit slice on the host too."""
+    after each unit. Offload on CUDA (device="cuda") pins the owned 16-bit slice on the host too.
+    muon_params: of num_params, those Muon steps (one fp32 state, not AdamW's two: RULES)."""
     c = Config(stage, dtype, reduce_dtype, frozen_dtype).validate()
     n = (stage and shard_group) or world_size   # the ranks a stage shards over: the shard group's
     p = DTYPES[c.dtype].itemsize            # bytes per parameter
@@ -2984,8 +3101,10 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, 
     align = 16 // p                         # elements (see Flat)
     psi = num_params + num_tensors * (align - 1 + n * align - 1)
     per = [n if stage >= s else 1 for s in range(4)]   # each stage divides one more kind by N
+    state = 4 * len(RULES["adamw"].states) * (psi - muon_params)   # fp32 state bytes of the rules
+    state += 4 * len(RULES["muon"].states) * muon_params
     dev = dict(params=p * psi / per[3], grads=g * psi / per[2], master=master * psi / per[1],
-               optim=8 * psi / per[1], frozen=p * frozen_params / per[3])
+               optim=state / per[1], frozen=p * frozen_params / per[3])
     if c.frozen_dtype:                      # in fp32, and at stages 0-2 a compute copy beside
         dev["frozen"] = 4 * frozen_params / n if stage == 3 else 6 * frozen_params
     host = dict.fromkeys(dev, 0)

@@ -152,7 +152,7 @@ class Plan:
     A unit's gradient is reduced in every micro-batch's backward where the whole one is freed after
     it (shards_grads: 2-3), else in the last one's (0-1). Frozen parameters (no gradient, no
     optimizer state) are whole at stages 0-2, sharded at stage 3."""
-    shards_optim: bool              # fp32 master and Adam moments: this rank's shard (stages 1-3)
+    shards_optim: bool              # fp32 master and optimizer state: this rank's shard (stages 1-3)
     shards_grads: bool              # grads reduce-scattered in each backward, whole freed (2-3)
     shards_params: bool             # parameters gathered per unit for each use, freed after (3)
     regathers: bool                 # whole parameters: the updated slices all-gathered (1-2)
@@ -882,6 +882,7 @@ def _muon(f, runs, groups, mult, out, net, tag):
     # Muon on a Flat's owned slice: the momentum, and its Nesterov blend, on the slice; each matrix
     # orthogonalized by the rank assigned to it, from the blends gathered whole; then decay and update
     st = f.state
+    # exchanged in bf16, what Newton-Schulz takes first: fp32 would double the bytes and change no bit
     whole = torch.zeros(f.padded, dtype=torch.bfloat16, device=f.plan.device)
     mine = whole[f.lo:f.hi]                 # this rank's slice of the blended momenta
     for a, b, j, _ in runs:
@@ -896,6 +897,8 @@ def _muon(f, runs, groups, mult, out, net, tag):
     sharded = f.hi - f.lo < f.padded        # (stage 0: every rank has every slice)
     if sharded:
         net.wait(net.all_gather(whole, mine, "muon_all_gather", sync=False, tag=tag))
+    # a matrix without a gradient on any rank (f.used, agreed) is left alone, its momentum too, as
+    # torch's optimizers leave a parameter whose .grad is None
     ortho = torch.zeros_like(whole)         # the results of this rank's matrices, zeros elsewhere
     for i, (p, o) in enumerate(zip(f.params, f.offsets)):
         if f.ns_rank[i] == f.plan.shard_rank and f.used[i]:
@@ -1149,6 +1152,8 @@ class Flat:
         # per rank, the Newton-Schulz cost assigned: ~ rows x cols x min(rows, cols)), largest first
         if not self.rule.matrices:
             return
+        # the loads carry over from buffer to buffer: one unit's exchange waits for its slowest rank,
+        # and the next unit's matrices go first to the ranks this one left idle
         shapes = [(p.shape[0], p.numel() // max(1, p.shape[0])) for p in self.params]
         by_cost = sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i]) * min(shapes[i]))
         for i in by_cost:
@@ -1329,6 +1334,7 @@ class Unit:
         self.updating = self.worker.submit(functools.partial(self.update, mult, runs, groups))
 
     def update_done(self):
+        # offload: no update pending (a prefetch does not wait for one that still runs)
         return self.updating is None or self.updating.done()
 
     def wait_update(self):
@@ -1601,6 +1607,7 @@ class Schedule:
             self.arrange(self.segments, self.without, held | self.kept)
 
     def new_step(self):
+        # a step ended (or was skipped): the micro-batches and the units run count again
         self.micro = 0
         self.ran = []
 
@@ -1667,9 +1674,9 @@ class Schedule:
     def drop_in_flight(self):               # at exit, once they finished
         self.in_flight = collections.deque()
 
-    def drain(self, keep=0):
-        # the oldest reductions in flight finished, all but `keep`
-        while len(self.in_flight) > keep:
+    def drain(self, leave=0):
+        # the oldest reductions in flight finished, all but `leave`
+        while len(self.in_flight) > leave:
             u, works = self.in_flight.popleft()
             u.finish_reduce(works, self.micro)
 
@@ -1869,8 +1876,9 @@ class Schedule:
 #
 # A step: forward (stage 3 gathers each unit before it runs, frees it after) -> backward (a unit's
 # gradient is reduced once its backward is done; stage 3 gathers it again first) -> step (norm,
-# overflow check, clip, AdamW on the owned slice, its 16-bit rounding written, stages 1-2 all-gather
-# it). The units do each part, the schedule says when; the engine builds them and glues the hooks.
+# overflow check, clip, the update rules on the owned slice, its 16-bit rounding written, stages 1-2
+# all-gather it). The units do each part, the schedule says when; the engine builds them and glues
+# the hooks.
 
 # torch's Adam/AdamW keys that zero's AdamW honours at these values only (TORCH_ANY: at any value)
 TORCH_DEFAULTS = dict(amsgrad=False, maximize=False, capturable=False, differentiable=False)
@@ -2025,8 +2033,7 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
 def _compile(model=None, **kwargs):
     # torch.compile(engine) compiles the model inside it (as if before wrapping), returns the engine
     if isinstance(model, Zero):
-        model._forward = _torch_compile(model._forward, **kwargs)
-        return model
+        return model._compiled(**kwargs)
     return _torch_compile(model, **kwargs)  # (model=None: torch's decorator form)
 
 
@@ -2060,8 +2067,8 @@ def _close_groups():
 
 
 class Zero:
-    """Wraps a model: shards it into units in place, hooks forward and backward, steps AdamW on this
-    rank's shard. Call it like the model (it lends the model's attributes); backward(), step()."""
+    """Wraps a model: shards it into units in place, hooks forward and backward, steps the update rules
+    on this rank's shard. Call it like the model (it lends the model's attributes); backward(), step()."""
 
     def __init__(self, model, cfg=None, units=None, init_fn=None, param_groups=None, group=None,
                  optimizer=None):
@@ -2288,6 +2295,10 @@ class Zero:
                                  (args, kwargs))
         return self._forward(*args, **kwargs)
 
+    def _compiled(self, **kwargs):          # torch.compile(engine): the model inside it compiled
+        self._forward = _torch_compile(self._forward, **kwargs)
+        return self
+
     def __getattr__(self, name):
         # what a script asks of its model (generate(), config, parameters()) is the model's
         if name.startswith("__") or "module" not in self.__dict__:
@@ -2449,7 +2460,7 @@ class Zero:
             for u in [self.root, *self.sched.order]:
                 if u is None or not u.trains:
                     continue
-                if self.plan.regathers:
+                if self.plan.regathers:     # before it is queued: the worker may start at once
                     u.stale()
                 u.start_update(mult, runs[u.index], groups)
                 for f in u.trains:
@@ -2556,7 +2567,7 @@ class Zero:
         and moved to the CPU a flat buffer at a time. rank0_only=True: the others get {}."""
         self.net.call("full_state_dict")
         self.settle()
-        keep = not rank0_only or self.rank == 0
+        returns = not rank0_only or self.rank == 0   # this rank gets the values
         values = {}                         # id(parameter) -> its value on the CPU
         for f in (f for u in self.units for f in u.flats):
             full = f.state["master"].to(self.device, _wide(f.dtype))   # fp32 master, or as held
@@ -2564,10 +2575,10 @@ class Zero:
                 mine, full = full, torch.empty(f.padded, dtype=full.dtype, device=self.device)
                 self.net.all_gather(full, mine, kind="state_dict")   # not training traffic
             for p, o in zip(f.params, f.offsets):
-                if keep:                    # (rank0_only: the others only gather)
+                if returns:                 # (rank0_only: the others only gather)
                     values[id(p)] = full[o:o + p.numel()].view(p.shape).to("cpu", copy=True)
             del full
-        if not keep:
+        if not returns:
             return {}
         out = {}                            # the model's own keys: tied names, buffers
         for k, t in _model_state(self.module).items():
@@ -2693,6 +2704,7 @@ class HostWorker:
         self.thread.start()
 
     def submit(self, fn):
+        # the Future the unit keeps: its result, or the update's exception, at the unit's next wait
         future = Future()
         self.jobs.put((fn, future))
         return future
@@ -2875,10 +2887,10 @@ def save(engine, path, extra=None):
     _delete_old(path, name, net)
 
 
-def _delete_old(path, keep, net):
-    """The checkpoints under `path` but `keep`: rank 0 removes their meta.json (a directory without
+def _delete_old(path, newest, net):
+    """The checkpoints under `path` but `newest`: rank 0 removes their meta.json (a directory without
     one is no checkpoint) before a barrier, then each rank its own rank files, in parallel."""
-    old = [os.path.join(path, o) for o in os.listdir(path) if o.startswith("step_") and o != keep]
+    old = [os.path.join(path, o) for o in os.listdir(path) if o.startswith("step_") and o != newest]
     if net.rank == 0:
         for d in old:
             with contextlib.suppress(OSError):
@@ -3014,7 +3026,7 @@ def read_extra(path):
 
 
 def _restore(engine, prepare, what, filled=None):
-    """New weights (and Adam moments, where read() has them) into every copy the engine keeps;
+    """New weights (and optimizer state, where read() has them) into every copy the engine keeps;
     prepare() -> (read(name, param, start, n, key) -> elements or None, {state_dict key: buffer});
     `filled`: the names it fills (None: all). Returns the frozen ones the compute dtype rounds."""
     error = None                            # this rank's failure in phase 1

@@ -151,12 +151,16 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(d, h)
         self.fc2 = nn.Linear(h, d)
         self.drop = nn.Dropout(0.0)
-        # a third matrix of another size: Muon's matrices then straddle the ranks' slices of a buffer
+        # a third matrix of another size: Muon's matrices then straddle the ranks' slices of a buffer; and two
+        # stacked experts' matrices in one 3-D tensor, as Mixtral's are held (Muon: a batch of matrices)
         self.mix = nn.Linear(d, d, bias=False) if mix else None
+        self.experts = nn.Parameter(torch.randn(2, d, d // 2) * 0.2) if mix else None
 
     def forward(self, x):
         y = x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
-        return y + 0.5 * self.mix(x) if self.mix is not None else y
+        if self.mix is None:
+            return y
+        return y + 0.5 * self.mix(x) + 0.3 * torch.cat([x @ self.experts[0], x @ self.experts[1]], -1)
 
 
 class Shift(nn.Module):
@@ -290,7 +294,8 @@ def ref_muon_(p, grad, m, lr, weight_decay, momentum=0.95, nesterov=True, ns_ste
     """muon.py's update of one matrix in place (orthogonalize=False: SGD with Nesterov momentum, a planted bug)."""
     m.lerp_(grad, 1 - momentum)
     u = grad.lerp_(m, momentum) if nesterov else m
-    u = u.reshape(len(u), -1)
+    if u.dim() == 4:                        # a convolution's filters; a 3-D tensor is a batch of matrices
+        u = u.view(len(u), -1)
     if orthogonalize:
         u = ref_newton_schulz(u, ns_steps)
         u *= max(1, u.size(-2) / u.size(-1)) ** 0.5
@@ -4483,13 +4488,17 @@ MUON_KW = dict(mix=True)        # blocks of three matrices of two sizes: they st
 MUON_BATCH = 16                 # whole micro-batches at 1, 2 and 4 ranks with accumulation 2
 MUON_CASES = [(s, d, red, a) for s in range(4) for d, red in (("fp32", ""), ("bf16", "fp32"), ("bf16", ""))
               for a in (1, 2)]
-# (matrices, the rest): the relative difference of the update from the reference's. Measured (4 steps, world
-# 1, 2 and 4): fp32 against muon.py in fp32, and bf16 with fp32 reductions against reference16's arithmetic: 0
-# on the matrices (2.2e-3 in other layouts, where Newton-Schulz's bf16 input rounds a value the other way), at
-# most 4.5e-7 on the rest; bf16 reduced in bf16: 7.9e-2 to 8.9e-2 on the matrices (a 16-bit sum's rounding,
-# which Newton-Schulz amplifies along small singular values), 2.6e-2 on the rest. A planted SGD in place of
-# Muon gives 1.0, a rank that orthogonalizes only its own slice of each matrix 0.68.
-MUON_TOL = {("fp32", ""): (1e-2, 1e-4), ("bf16", "fp32"): (1e-2, 3e-2), ("bf16", ""): (0.15, 6e-2)}
+# (matrices, the rest): the relative difference of the update from the reference's after 4 steps. Newton-Schulz in
+# bf16 amplifies a last-bit difference of its input (a gradient summed in another order) along small singular
+# values, and the steps after it carry that into every matrix: a run either equals the reference to the bit or
+# differs by a few percent. Measured (world 1, 2 and 4, accumulation 1 and 2, stages 0-3): fp32 against muon.py
+# in fp32, 0 or 1.9e-2 to 2.7e-2 (at most 2.0e-4 on the rest); bf16 with fp32 reductions against reference16's
+# arithmetic, 0 or 3.0e-2 to 6.1e-2; bf16 reduced in bf16, 5.7e-2 to 1.2e-1 (a 16-bit sum's rounding every step).
+# A step alone has no such chaos: after one step fp32 equals muon.py to the bit at every stage and world, where a
+# planted SGD in place of Muon differs by 1.0 and a rank that orthogonalizes only its own slice of each matrix by
+# 0.70 (2 ranks) and 0.97 (4 ranks): ONE_STEP_TOL catches them by a factor of 70 or more.
+MUON_TOL = {("fp32", ""): (6e-2, 1e-3), ("bf16", "fp32"): (0.15, 3e-2), ("bf16", ""): (0.25, 6e-2)}
+ONE_STEP_TOL = 1e-2
 
 
 def muon_names(model):
@@ -4501,7 +4510,7 @@ def _check_muon(r, ref, tag, dtype, red):
     """The matrices' update, and the rest's, against the reference's, with the tolerances measured above."""
     losses, norms, sd = ref
     mat_tol, rest_tol = MUON_TOL[(dtype, red)]
-    near = 1e-5 if (dtype, red) == ("fp32", "") else 3e-3
+    near = 5e-4 if (dtype, red) == ("fp32", "") else 5e-3      # measured 7.8e-5 and 1.9e-3
     assert all(r["oks"]), tag
     for a, b in zip(r["losses"] + r["norms"], losses + norms):
         assert abs(a - b) <= near * abs(b), (tag, r["losses"], losses, r["norms"], norms)
@@ -4509,7 +4518,7 @@ def _check_muon(r, ref, tag, dtype, red):
     mats = muon_names(make_model(**MUON_KW))
     rest = [k for k in sd if k not in mats and not torch.equal(sd[k], init[k])]
     upd = lambda d, ks: torch.cat([(d[k] - init[k]).flatten() for k in ks])   # noqa: E731
-    assert len(mats) == 9 and len(rest) >= 10, (mats, rest)
+    assert len(mats) == 12 and len(rest) >= 10, (mats, rest)
     err_mats, err_rest = _max_rel(upd(r["sd"], mats), upd(sd, mats)), _max_rel(upd(r["sd"], rest), upd(sd, rest))
     assert err_mats < mat_tol and err_rest < rest_tol, (tag, err_mats, err_rest)
     return err_mats
@@ -4520,14 +4529,17 @@ def _muon_cases(rank, world):
     for stage, dtype, red, accum in MUON_CASES:
         cfg = zero.Config(stage=stage, dtype=dtype, reduce_dtype=red, accum_steps=accum, **MUON)
         out[(stage, dtype, red, accum)] = train(rank, world, cfg, STEPS, MUON_BATCH, model_kw=MUON_KW)
-    if world == 2:                          # a planted bug: every rank sees only its own slice of each matrix
+    for stage in range(4):                  # one step: every stage, fp32
+        one = zero.Config(stage=stage, dtype="fp32", **MUON)
+        out[("one step", stage)] = train(rank, world, one, 1, MUON_BATCH, model_kw=MUON_KW)
+    if world > 1:                           # a planted bug: every rank sees only its own slice of each matrix
         real = zero.Comm.all_gather
 
         def own_slice(self, out, inp, kind="all_gather", sync=True, tag=None):
             return None if kind == "muon_all_gather" else real(self, out, inp, kind, sync, tag)
         zero.Comm.all_gather = own_slice
         try:
-            out["own slice"] = train(rank, world, zero.Config(stage=1, dtype="fp32", **MUON), STEPS, MUON_BATCH,
+            out["own slice"] = train(rank, world, zero.Config(stage=1, dtype="fp32", **MUON), 1, MUON_BATCH,
                                      model_kw=MUON_KW)
         finally:
             zero.Comm.all_gather = real
@@ -4544,7 +4556,7 @@ def test_muon_matches_muon_py_at_every_stage(world):
     ref = muon_reference(STEPS, MUON_BATCH, zero.Config(**MUON), **MUON_KW)
     ref16 = {a: reference16(STEPS, MUON_BATCH, world, zero.Config(dtype="bf16", **MUON), accum=a, muon=True, **MUON_KW)
              for a in (1, 2)}
-    for (stage, dtype, red, accum), r in ((k, v) for k, v in res.items() if len(k) == 4):
+    for (stage, dtype, red, accum), r in ((k, v) for k, v in res.items() if isinstance(k, tuple) and len(k) == 4):
         tag = f"Muon stage {stage} {dtype} reduce_dtype={red!r} accum {accum} world {world}"
         _check_muon(r, ref if dtype == "fp32" else ref16[accum], tag, dtype, red)
         if accum == 1:                      # sharding itself adds no error: every stage is stage 0's
@@ -4565,13 +4577,16 @@ def test_muon_matches_muon_py_at_every_stage(world):
         want = zero.estimate_memory(r["psi_padded"], world, stage, dtype, reduce_dtype=red, accum_steps=accum,
                                     frozen_params=r["frozen"], muon_params=r["muon_padded"], device="cpu")
         assert r["mem"] == want, (tag, r["mem"], want)
-    if world == 2:
-        # the tolerance tells Muon from what a bug would run instead, by orders of magnitude
-        sgd = muon_reference(STEPS, MUON_BATCH, zero.Config(**MUON), orthogonalize=False, **MUON_KW)
-        init, mats = make_model(**MUON_KW).state_dict(), muon_names(make_model(**MUON_KW))
-        upd = lambda d: torch.cat([(d[k] - init[k]).flatten() for k in mats])   # noqa: E731
-        for bad in (sgd[2], res["own slice"]["sd"]):
-            assert _max_rel(upd(bad), upd(ref[2])) > 30 * MUON_TOL[("fp32", "")][0]
+    # one step against muon.py's, and what a bug would run instead, far outside the tolerance
+    one = muon_reference(1, MUON_BATCH, zero.Config(**MUON), **MUON_KW)
+    sgd = muon_reference(1, MUON_BATCH, zero.Config(**MUON), orthogonalize=False, **MUON_KW)
+    init, mats = make_model(**MUON_KW).state_dict(), muon_names(make_model(**MUON_KW))
+    upd = lambda d: torch.cat([(d[k] - init[k]).flatten() for k in mats])   # noqa: E731
+    for stage in range(4):
+        err = _max_rel(upd(res[("one step", stage)]["sd"]), upd(one[2]))
+        assert err < ONE_STEP_TOL, (f"one Muon step at stage {stage}, world {world}", err)
+    for bad in [sgd[2]] + [r["sd"] for k, r in res.items() if k == "own slice"]:
+        assert _max_rel(upd(bad), upd(one[2])) > 30 * ONE_STEP_TOL
     if world == 4:
         for stage in (1, 3):
             _check_muon(res[("hybrid", stage)], ref, f"Muon hybrid stage {stage}", "fp32", "")
@@ -4605,7 +4620,7 @@ def _muon_reload(rank, world, ckpt):
         for n, p, o in zip(f.names, f.params, f.offsets):
             whole[n] = f.state["momentum_buffer"][o:o + p.numel()].clone()
     adamw = zero.Zero(make_model(**MUON_KW), zero.Config(stage=0, dtype="bf16", lr=LR))
-    with pytest.raises(ValueError, match=r"checkpoint's 'blocks.0.fc1.weight' was trained with muon, the engine's "
+    with pytest.raises(ValueError, match=r"checkpoint's 'blocks.0.experts' was trained with muon, the engine's "
                                          r"with adamw: give it the checkpoint's update rule"):
         zero.load(adamw, ckpt)
     return whole

@@ -878,6 +878,15 @@ def newton_schulz(g, steps=5):
     return x
 
 
+def matrix_shape(shape):
+    """The matrices Muon orthogonalizes in a parameter of this shape, as muon.py views it: a 2-D weight
+    itself, a 3-D one (stacked experts) as a batch of matrices, one of more dims (a convolution's) as
+    (out channels, the rest)."""
+    if len(shape) <= 3:
+        return tuple(shape)
+    return (shape[0], math.prod(shape[1:]))
+
+
 def _muon(f, runs, groups, mult, out, net, tag):
     # Muon on a Flat's owned slice: the momentum, and its Nesterov blend, on the slice; each matrix
     # orthogonalized by the rank assigned to it, from the blends gathered whole; then decay and update
@@ -902,7 +911,7 @@ def _muon(f, runs, groups, mult, out, net, tag):
     ortho = torch.zeros_like(whole)         # the results of this rank's matrices, zeros elsewhere
     for i, (p, o) in enumerate(zip(f.params, f.offsets)):
         if f.ns_rank[i] == f.plan.shard_rank and f.used[i]:
-            x = whole[o:o + p.numel()].view(p.shape[0], -1)
+            x = whole[o:o + p.numel()].view(matrix_shape(p.shape))
             u = newton_schulz(x, groups[f.group[i]]["ns_steps"])
             u *= max(1, u.size(-2) / u.size(-1)) ** 0.5
             ortho[o:o + p.numel()] = u.view(-1)
@@ -1148,17 +1157,17 @@ class Flat:
         self.steps = list(steps)
 
     def assign(self, loads):
-        # a rule of whole matrices: each of them to the shard rank with the least work so far (loads,
-        # per rank, the Newton-Schulz cost assigned: ~ rows x cols x min(rows, cols)), largest first
+        # a rule of whole matrices: each parameter's to the shard rank with the least work so far
+        # (loads, per rank, the Newton-Schulz cost assigned: ~ rows x cols x min(rows, cols) per
+        # matrix), largest first
         if not self.rule.matrices:
             return
         # the loads carry over from buffer to buffer: one unit's exchange waits for its slowest rank,
         # and the next unit's matrices go first to the ranks this one left idle
-        shapes = [(p.shape[0], p.numel() // max(1, p.shape[0])) for p in self.params]
-        by_cost = sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i]) * min(shapes[i]))
-        for i in by_cost:
+        costs = [p.numel() * min(matrix_shape(p.shape)[-2:]) for p in self.params]
+        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
             self.ns_rank[i] = loads.index(min(loads))
-            loads[self.ns_rank[i]] += math.prod(shapes[i]) * min(shapes[i])
+            loads[self.ns_rank[i]] += costs[i]
 
     def update(self, runs, groups, mult, copies, net, tag):
         # the rule's step on the owned slice; offload on CUDA writes the pinned staging copy first,

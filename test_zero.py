@@ -4651,6 +4651,10 @@ def test_muon_refusals():
     with pytest.raises(ValueError, match=r"param_groups\[0\] is Muon's, which steps matrices, but holds "
                                          r"\['blocks.0.ln.weight'\] of fewer than 2 dims"):
         zero.Zero(model, zero.Config(stage=0, dtype="fp32"), param_groups=groups)
+    with pytest.raises(ValueError, match=r"sets momentum=1.5, ns_steps=0: use a momentum in \[0, 1\) and ns_steps >= 1"):
+        model = make_model(**MUON_KW)
+        zero.Zero(model, zero.Config(stage=0, dtype="fp32"), param_groups=[
+            dict(params=[model.blocks[0].fc1.weight], update="muon", momentum=1.5, ns_steps=0)])
     with pytest.raises(ValueError, match="Muon with offload=True"):
         zero.Zero(make_model(**MUON_KW), zero.Config(stage=2, offload=True, update="muon"))
     with pytest.raises(ValueError, match="update='muon' with optimizer="):

@@ -1983,6 +1983,10 @@ def _param_groups(model, cfg, param_groups, optimizer):
         if flat:
             raise ValueError(f"zero.Zero: param_groups[{j}] is Muon's, which steps matrices, but "
                              f"holds {flat[:5]} of fewer than 2 dims: give them an AdamW group")
+        steps = g["ns_steps"]
+        if not (0 <= g["momentum"] < 1 and isinstance(steps, int) and steps >= 1):
+            raise ValueError(f"zero.Zero: param_groups[{j}] sets momentum={g['momentum']}, "
+                             f"ns_steps={steps}: use a momentum in [0, 1) and ns_steps >= 1")
     return groups, group_of
 
 

@@ -2149,6 +2149,7 @@ class Zero:
                 unit_of[id(m)] = u
                 self.units.append(u)
         self.root = unit_of.get(id(self.module))   # the root's unit, or None
+        self.trained = [u for u in self.units if u.trains]   # the units with trainable parameters
         loads = [0] * plan.shards           # Muon: each shard rank's Newton-Schulz work
         for f in (f for u in self.units for f in u.trains):
             f.assign(loads)
@@ -2405,7 +2406,7 @@ class Zero:
                                "require grad now; make them trainable before zero.Zero(model) (and "
                                "freeze them after)")
         self.net.call("step")
-        trained = [u for u in self.units if u.trains]
+        trained = self.trained
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for u in trained:
             u.finish_replica()
@@ -2462,7 +2463,7 @@ class Zero:
         # step count too, as torch's optimizers leave it
         groups = [dict(g) for g in self.optimizer.param_groups]
         used = iter(self.used)              # per trained parameter, Flat by Flat
-        trained = [u for u in self.units if u.trains]
+        trained = self.trained
         runs = {}                           # unit index -> each trainable Flat's calls
         for u in trained:
             runs[u.index] = [f.step_runs(list(itertools.islice(used, len(f.params))))
@@ -3080,7 +3081,7 @@ def _restore(engine, prepare, what, filled=None):
         if f.out is not None:
             f.out.copy_(st["master"])
     if engine.plan.regathers:
-        _regather([u.stale() for u in engine.units if u.trains])
+        _regather([u.stale() for u in engine.trained])
     with torch.no_grad():
         for k, v in _model_state(engine.module).items():
             if k in extra:

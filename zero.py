@@ -36,13 +36,15 @@ torch.nn.utils.clip_grad_norm_ (an engine's parameters are clipped by the engine
 compiles the model inside it) and adds an optimizer step pre-hook (a torch optimizer that steps an engine's
 parameters, which would change nothing, is an error).
 
-A stage-3 micro-batch on a model of blocks A, B and the root R, traced through the Schedule: enter() gathers
-R (held: used before and after the blocks) and starts nothing else; pre_forward(A) walks to A's place: A is
-gathered, B's gather launched (prefetch); pre_forward(B) frees A (Unit.free: not held) and waits for B; exit()
-frees B. The backward walks the places reversed: the hook on B's output gathers B and starts A's gather; when
-B's backward is done (_PostBackward) B's reduce-scatter launches and B is freed; A's likewise; end_backward()
-launches R's last, awaits all but two in flight as it goes, and frees R. Every rank launches these in this
-order whatever its data: a rank that skips B still gathers and frees it in B's place.
+A stage-3 micro-batch on a model of blocks A, B and the root R, traced through the Schedule at prefetch=1:
+arrange() made one Table per forward and one for the backward from the order all ranks agreed on, [A, B] and
+[B, A]. enter() gathers R (kept: used before and after the blocks) and the table's first point launches A's
+and B's gathers; pre_forward(A) moves the cursor to A's place and waits for A; pre_forward(B) moves it to B's:
+A is freed there (Unit.free), B awaited; exit() moves it to the end: B freed. The backward walks its table
+likewise: B's gather and A's leave at its start, B's reduce-scatter once B's backward is done (_PostBackward),
+then B is freed; A's likewise; end_backward() launches R's last, awaits all but two in flight as it goes, and
+frees R. Every rank runs these ops in this order whatever its data: a rank that skips B still gathers and
+frees it where the table says.
 """
 
 import argparse, atexit, collections, contextlib, ctypes, dataclasses, datetime  # noqa: E401
@@ -88,7 +90,7 @@ class Config:
     checkpoint: object = False      # recompute activations: False | True (every unit) | k (k-th)
     offload: bool = False           # ZeRO-Offload (stages 1-3): master, moments, grads on the host
     shard_group: int = 0            # hybrid: shard in groups of this many ranks; 0 = all ranks
-    prefetch: bool = True           # all-gather the next unit while this one computes
+    prefetch: int = 1               # units all-gathered ahead of the one computing (True: 1, False: 0)
     loss_scale: float = 2.0 ** 16   # fp16: initial dynamic loss scale
     loss_scale_window: int = 1000   # fp16: clean steps before the scale doubles
     hysteresis: int = 2             # fp16: overflows tolerated before it starts halving
@@ -123,6 +125,9 @@ class Config:
              "hysteresis and loss_scale_window must be >= 1, min_loss_scale > 0"),
             (not (isinstance(g, int) and g >= 0) or (stage == 0 and g),
              f"shard_group={g!r} at stage {stage}: use 0 (all ranks), or k ranks at stages 1-3"),
+            (not (isinstance(self.prefetch, int) and self.prefetch >= 0),
+             f"prefetch={self.prefetch!r}: use an integer >= 0, the units gathered ahead "
+             "(True: 1, False: 0)"),
             (self.timeout_s <= 0 or self.waits not in ("auto", "nccl", "gloo"),
              f"timeout_s={self.timeout_s!r}, waits={self.waits!r}: "
              "use seconds > 0; auto, nccl or gloo"))
@@ -130,6 +135,7 @@ class Config:
             if bad:
                 raise ValueError(f"zero.Config: {what}")
         self.dtype = dtype
+        self.prefetch = int(self.prefetch)  # True and False are 1 and 0
         for f, v in extra.items():          # "": the compute dtype, given by any of its names
             setattr(self, f, "")
             if v and _dtype_name(v) != dtype:
@@ -161,7 +167,7 @@ class Plan:
     pin: bool                       # offload on CUDA: grad shard and a 16-bit staging copy pinned
     master_is_param: bool           # fp32 compute, no offload: the owned parameters are the master
     frozen_fp32: bool               # frozen parameters held in fp32, cast when gathered
-    prefetch: bool                  # the next unit's all-gather launched during this one's compute
+    prefetch: int                   # units whose all-gathers run ahead of the one computing
     accum: int                      # micro-batches per step
     dtype: torch.dtype              # compute
     grad_dtype: torch.dtype         # gradient reductions and sums
@@ -1190,9 +1196,10 @@ FREED, STALE, GATHERING, WHOLE = "freed", "stale", "gathering", "whole"     # a 
 
 class Unit:
     """A block (an element of the outermost ModuleList) or the root (the rest): its Flats and their
-    phases, FREED (stage 3: storage released) or STALE (values not this step's: stages 1-2 after an
-    update, offload) -> GATHERING (all-gathers in flight) -> WHOLE. The root, and a unit with a
-    parameter used outside its forward, are held WHOLE until the backward that needs them ends."""
+    phases as the walk sees them, the same on every rank: FREED (stage 3) or STALE (values not this
+    step's: stages 1-2 after an update, offload) -> GATHERING (all-gathers in flight) -> WHOLE. Apart
+    from the phase, this rank may hold the storage (`held`: a parameter used outside its forward) until
+    the backward that needs it ends: the walk frees and gathers such a unit as every rank does."""
 
     def __init__(self, index, module, name, flats, plan, net, worker, is_root):
         self.index = index                  # its place in the engine's units
@@ -1212,7 +1219,7 @@ class Unit:
         self.to_gather = [f for f in flats if f.trainable or plan.shards_params]
         self.phase = WHOLE                  # FREED, STALE, GATHERING or WHOLE
         self.works = []                     # the all-gathers in flight (GATHERING)
-        self.held = is_root                 # kept WHOLE through the backward: free() says until when
+        self.held = is_root                 # this rank keeps its storage while a backward is pending
         self.replica_works = []             # hybrid: (flat, gradient, work) summing across groups
         self.updating = None                # offload: the Future of its host update
 
@@ -1241,29 +1248,30 @@ class Unit:
             self.mark(False)
         return self
 
-    def reshard(self):
-        # stage 3: the storage goes back (the views, and autograd's references, stay valid)
-        if self.plan.shards_params:
-            for f in self.flats:
-                self.net.count_held(-f.flat.untyped_storage().nbytes())
-                f.flat.untyped_storage().resize_(0)
-        # autocast's casts of these weights would answer for them once freed
-        if torch.is_autocast_enabled(self.plan.device.type):
-            torch.clear_autocast_cache()
-        self.phase = FREED
-        self.mark(True)
-
     def free(self, pending):
-        """The one rule of when a unit's whole parameters go (stage 3): after each use, unless it is
-        held (the root; a parameter escaped its forward) and a backward that needs it is `pending`.
-        The step frees with pending=False, so nothing is whole across an update."""
-        if not self.plan.shards_params or self.phase in (FREED, STALE):
-            return
-        if self.held and pending:
+        """The one rule of when a unit's whole parameters go (stage 3), called by the walk at the places
+        its table says (the same on every rank) and at the ends of backwards and steps: the walk sees it
+        FREED; its storage goes too, unless this rank holds it (a parameter escaped its forward) and a
+        backward that needs it is `pending`. The step frees with pending=False: nothing whole across an
+        update. Held storage the walk gathers again takes the same values: the collective is every rank's."""
+        if not self.plan.shards_params:
             return
         if self.phase == GATHERING:         # a gather in flight finishes first
             self.unshard()
-        self.reshard()
+        self.phase = FREED
+        resident = any(f.flat.untyped_storage().nbytes() for f in self.flats)
+        if resident and not (self.held and pending):
+            self.reshard()
+
+    def reshard(self):
+        # stage 3: the storage goes back (the views, and autograd's references, stay valid)
+        for f in self.flats:
+            self.net.count_held(-f.flat.untyped_storage().nbytes())
+            f.flat.untyped_storage().resize_(0)
+        # autocast's casts of these weights would answer for them once freed
+        if torch.is_autocast_enabled(self.plan.device.type):
+            torch.clear_autocast_cache()
+        self.mark(True)
 
     def stale(self):                        # the owned slices changed: gather before the next use
         self.phase = STALE
@@ -1271,7 +1279,8 @@ class Unit:
         return self
 
     def mark(self, freed):
-        # a unit not WHOLE has _Sharded parameters: a read is an error or a gather, not a crash
+        # a unit whose storage is not this step's has _Sharded parameters: a read is an error or a
+        # gather, not a crash
         params = self.params
         if freed:
             params = [p for f in self.to_gather for p in f.params]
@@ -1284,13 +1293,6 @@ class Unit:
 
     def drop_works(self):                   # at exit, once they finished
         self.works = []
-
-    def in_turn(self, agreed):
-        # held whole on this rank alone (a parameter escaped since the ranks agreed): gathered in
-        # turn, as the ranks that freed it gather it
-        if self.plan.shards_params and self.phase == WHOLE and self.held and not agreed:
-            self.phase = STALE
-        return self
 
     # -- the reduction
     def reduce(self):
@@ -1475,18 +1477,61 @@ def _merge(seqs, extra=()):
 END = 1 << 30                               # a segment's end node sorts after its calls
 
 
+Op = collections.namedtuple("Op", "point kind unit due")   # one step of a walk (see Table)
+
+
+class Table:
+    """One walk over `units` (the unit at each place), computed once from the order all ranks agreed on,
+    so that every rank launches the same gathers and reductions in the same order whatever it ran (FSDP2
+    lists its prefetches explicitly, for the same reason). Point i is "place i is about to run", point n
+    "past the last place", point n + 1 the walk's end (the backward's: what reaches no place, or the kept
+    units, reduced last). At each point, in this order: the reductions of the units whose last place
+    passed (`reduce`: (unit, point), in launch order); the frees of the units whole but needed at none of
+    places i .. i + prefetch; the gathers of those of them not whole, each `due` at the place that needs
+    it first. The `kept` units are whole throughout (gathered when a forward starts) and in no op."""
+
+    def __init__(self, units, kept, prefetch, gathers, frees, reduce=()):
+        self.units = units                  # the unit at each place
+        self.n = len(units)                 # the point past the last place
+        self.end = self.n + 1               # the walk's end (a point)
+        self.ops = []                       # the Ops, in the order every rank runs them
+        self.most = 0                       # the most units whole at once, besides the kept ones
+        at = collections.defaultdict(list)  # point -> the units reduced there
+        for u, point in reduce:
+            at[point].append(u)
+        whole = []                          # the units whole as the walk sees them
+        for i in range(self.end + 1):
+            self.ops += [Op(i, "reduce", u, i) for u in at[i]]
+            ahead = units[i:i + prefetch + 1]
+            for u in list(whole):
+                if frees and u not in ahead:
+                    self.ops.append(Op(i, "free", u, i))
+                    whole.remove(u)
+            for j, u in enumerate(ahead):
+                if gathers and u not in whole and u.index not in kept:
+                    self.ops.append(Op(i, "gather", u, i + j))
+                    whole.append(u)
+            self.most = max(self.most, len(whole))
+        # what the walk keeps true where it frees (stage 3): at most prefetch + 1 units whole at once
+        assert not frees or self.most <= prefetch + 1, (self.most, prefetch)
+
+
 class Schedule:
     """The one order of a micro-batch's gathers and reductions, the same on every rank whatever the
-    data, and the hooks that walk it. A place is one call: the k-th of unit u in a micro-batch's
-    s-th forward (its segment) is node (s, k, u). Forwards walk their segment of `places`, the
-    backward them reversed (`back`), gathering each unit (stage 3); past a unit's last place its
-    reduction launches, in `launch` order. What it keeps true:
+    data, and the hooks that walk it. A place is one call: the k-th of unit u in a micro-batch's s-th
+    forward (its segment) is node (s, k, u). arrange() makes a Table of each segment's forward and one of
+    the backward (the places reversed, `back`); a rank's own calls only move a cursor through the table
+    it walks, and a place it skips is gathered and freed all the same. What it keeps true:
 
     - every rank launches the same collectives in the same order, so every wait is for one that all
-      launched: a gather comes from the walk, from enter()'s gather of the units all ranks agreed to
-      hold (`kept`), or from alone() and read_outside(), which refuse once the order is learned;
-    - take() (through in_turn) and enter() rely on every unit but the held ones being freed between
-      uses (Unit.free), so that a unit held on one rank alone is gathered in its turn, as elsewhere;
+      launched: a gather comes from a table, from enter()'s gather of the units all ranks agreed to keep
+      whole (`kept`), or, before the first backward learned the order (when all ranks run alike), from
+      a call out of turn, read_outside() or a block called on its own; after it, one a table lacks is
+      refused by name (alone(), read_outside());
+    - a unit's phase changes by the walk and the ends of backwards and steps alone, so it is every
+      rank's: a rank that holds a unit's storage (an escaped parameter) still sees it freed, and gathers
+      it again where the table says, as the others do;
+    - at most prefetch + 1 units besides the kept ones are whole at once (asserted on each Table);
     - waiting for the reduction two launches back keeps three whole-unit gradients alive at most;
     - nothing is whole across an update (before_update frees all)."""
 
@@ -1496,11 +1541,10 @@ class Schedule:
         self.net = net                      # the collectives
         self.order = [u for u in units if not u.is_root]   # blocks: as registered, then as called
         self.depth = 0                      # modules outside the units now running (nested)
-        self.last_ran = None                # the unit whose forward ran last
+        self.loose = []                     # units gathered outside a table, freed at the next call
         self.ran = []                       # indices of the units run this step
         self.walk = None                    # the running forward's segment (None: none runs)
-        self.pos = 0                        # its next place
-        self.end = 0                        # its end (a place)
+        self.start = 0                      # its first place
         self.count = collections.Counter()  # its calls of each unit, by index
         self.keys = {}                      # unit index -> the node of its running call
         self.calls = []                     # calls (nodes) with a backward to come ...
@@ -1514,24 +1558,27 @@ class Schedule:
         # the order, set by arrange()
         self.segments = []                  # the units each forward calls, in order
         self.without = frozenset()          # units whose forward made nothing that requires grad
-        self.kept = frozenset()             # units every rank holds whole, reduced last
+        self.kept = frozenset()             # units every rank keeps whole, reduced last
         self.places = []                    # the segments end to end
         self.node = {}                      # node (segment, occurrence, unit index) -> its place
         self.ends = []                      # each segment's end (a place)
         self.back = []                      # the backward's: `places` reversed, less `without`
         self.bpos = {}                      # place -> its index in `back`
-        self.last = {}                      # unit index -> its last index in `back` (not `kept`)
+        self.forward_tables = []            # each segment's Table, then an empty one (see enter)
+        self.backward_table = None          # the backward's Table, over `back`
         self.launch = []                    # the trained units, in the order they are reduced
-        # a backward's progress
-        self.done = 0                       # backward places done
-        self.gathered = 0                   # backward places gathered
-        self.launched = 0                   # units of `launch` launched
+        # the walk in progress: a forward's or the backward's
+        self.table = None                   # the Table it walks (None: none)
+        self.next_op = 0                    # the index of its next Op
+        self.point = -1                     # the last point it reached
+        self.deferred = collections.deque()     # (unit, due) of gathers reached, not launched yet
         self.reduced = set()                # units whose reduction launched
-        self.in_flight = collections.deque()   # (unit, works) of reductions launched, not awaited
+        self.in_flight = collections.deque()    # (unit, works) of reductions launched, not awaited
         self.arrange([self.order], kept={u.index for u in units if u.held})
 
     def arrange(self, segments, without=frozenset(), kept=frozenset()):
-        # the order of these forwards and of their backward; the units in `kept` held from now on
+        # the order of these forwards and of their backward, and the tables every rank walks; the units
+        # in `kept` held from now on
         self.segments = segments
         self.without = without
         self.kept = frozenset(kept)
@@ -1546,15 +1593,27 @@ class Schedule:
         self.back = [j for j, u in reversed(list(enumerate(self.places))) if u.index not in without]
         self.bpos = {j: k for k, j in enumerate(self.back)}
         last = {self.places[j].index: k for j, k in self.bpos.items()}   # a unit's last in `back`
-        self.last = {i: k for i, k in last.items() if i not in self.kept}
-        trained = (u for u in self.units if u.trains)
-        self.launch = sorted(trained, key=lambda u: self.last.get(u.index, END))
+        # forwards gather at stage 3 and with offload (the host's slices); the backward at stage 3
+        plan = self.plan
+        k = plan.prefetch
+        self.forward_tables = [Table(seg, self.kept, k, plan.gathers_lazily, plan.shards_params)
+                               for seg in segments + [[]]]
+        # each trained unit reduced once the backward is past its last place; the kept ones (whole to
+        # the end) and those it never reaches when it ends
+        reduce = []
+        for u in self.units:
+            point = len(self.back) + 1
+            if u.index in last and u.index not in self.kept:
+                point = last[u.index] + 1
+            if u.trains:
+                reduce.append((u, point))
+        reduce.sort(key=lambda r: r[1])     # (stable: ties by unit)
+        self.launch = [u for u, _ in reduce]
+        back = [self.places[j] for j in self.back]
+        self.backward_table = Table(back, self.kept, k, plan.shards_params, plan.shards_params, reduce)
         self.order = list(dict.fromkeys(self.places + self.order))
         for i in self.kept:
             self.units[i].hold()
-        self.done = 0
-        self.gathered = 0
-        self.launched = 0
         self.reduced = set()
         self.in_flight = collections.deque()
 
@@ -1574,6 +1633,10 @@ class Schedule:
             else:
                 segments[-1].append(self.units[i])
         self.arrange(segments[:-1] or segments, without, {i for _, kept, _ in every for i in kept})
+        # a unit some rank held in the first forward is whole on every rank from now on, as the
+        # tables assume: gathered here, by all, in unit order
+        for i in sorted(self.kept):
+            self.units[i].unshard()
         self.learned = True
 
     def read_outside(self, u, name):
@@ -1592,14 +1655,27 @@ class Schedule:
         u.unshard().mark(False)
 
     def alone(self, u, what):
-        """u gathered outside the walk (called out of turn, or more often than its places). Before
-        the first backward learned the order all ranks do the same; after it, where u is not whole,
-        the gather would be this rank's alone: refused by name."""
+        """u called where its walk has no place for it (out of turn, or more often than its places).
+        Before the first backward learned the order all ranks do the same, and u is gathered; after
+        it, where u is not whole, the gather would be this rank's alone: refused by name."""
         if self.learned and u.phase != WHOLE:
             raise RuntimeError(f"zero: '{u.name}' was {what} than in the first step, which "
                                "gathering it would make this rank's collective alone: call the "
                                "blocks as in the first step")
+        self.gather_loose(u)
+
+    def gather_loose(self, u):
+        # u gathered outside the tables (every rank calls it alike), freed once another unit starts
+        if u.phase != WHOLE:
+            self.loose.append(u)
         u.unshard()
+
+    def free_loose(self, keep=None):
+        # the units gathered outside the tables go, but `keep` (called again)
+        for u in self.loose:
+            if u is not keep:
+                u.free(pending=True)
+        self.loose = [u for u in self.loose if u is keep]
 
     def before_update(self):
         """Nothing is whole across an update, which the step relies on: a forward nobody backwarded
@@ -1620,61 +1696,52 @@ class Schedule:
         self.micro = 0
         self.ran = []
 
-    # -- walking the places
-    def take(self, u, nxt, back):
-        # u gathered, and the next unit's gather started to travel while u computes (with offload
-        # only once the host update is done with it: waiting here would undo the overlap)
-        u.in_turn(u.index in self.kept).unshard()
-        prefetch = self.plan.prefetch and (back or self.plan.gathers_lazily)
-        if prefetch and nxt is not None and nxt is not u and nxt.update_done():
-            nxt.in_turn(nxt.index in self.kept).unshard(wait=False)
+    # -- walking a table
+    def begin_walk(self, table):
+        # a walk starts before its first point; with prefetch, its first gathers leave at once
+        self.table = table
+        self.next_op = 0
+        self.point = -1
+        self.deferred = collections.deque()
+        if self.plan.prefetch and table.n:
+            self.advance(0)
 
-    def forward_to(self, j):
-        """The forward's walk up to place j (None: its segment's end), gathering and freeing the
-        places this rank did not call, then j's: skipping B of A, B, C, it gathers A, then as C
-        starts B (freed) and C."""
-        for p in range(self.pos, self.end if j is None else j + 1):
-            u = self.places[p]
-            nxt = None
-            if p + 1 < self.end:
-                nxt = self.places[p + 1]
-            self.take(u, nxt, False)
-            self.pos = p + 1
-            if p != j and nxt is not u:     # j's unit stays whole for its call, as does one next
-                u.free(pending=True)
+    def advance(self, i):
+        """The walk's Ops up to point i, in the table's order, whatever this rank ran: a place it
+        skipped is gathered and freed all the same. A gather ahead of its place waits while its host
+        update runs (offload: waiting would undo the overlap), and the gathers after it wait too."""
+        ops = self.table.ops
+        while self.next_op < len(ops) and ops[self.next_op].point <= i:
+            op = ops[self.next_op]
+            self.next_op += 1
+            if op.kind == "gather":
+                self.deferred.append((op.unit, op.due))
+                continue
+            self.launch_gathers(op.point)
+            if op.kind == "free":
+                op.unit.free(pending=True)
+            else:
+                self.launch_reduce(op.unit)
+        self.launch_gathers(i)
+        self.point = max(self.point, i)
 
-    def backward_to(self, k, gather=False):
-        """The backward's walk up to backward place k, as forward_to's, launching the reductions of
-        the units past their last place; with gather, k's unit gathered, the next one's started."""
-        for d in range(self.done, min(k + gather, len(self.back))):
-            u = self.places[self.back[d]]
-            nxt = None
-            if d + 1 < len(self.back):
-                nxt = self.places[self.back[d + 1]]
-            if self.plan.shards_params and self.gathered <= d:
-                self.take(u, nxt, True)
-                self.gathered = d + 1
-            if d < k:
-                self.done = d + 1
-                self.launch_ready()
-                if nxt is not u:            # the same unit next: it stays whole
-                    u.free(pending=True)
-
-    def launch_ready(self, end=False):
-        # in launch order, each unit once the backward is past its last place (end: all the rest),
-        # as on every rank; in every micro-batch's backward where the whole gradients are freed
-        # (2-3), else in the last's
-        now = self.plan.shards_grads or self.micro == self.plan.accum - 1
-        while now and self.launched < len(self.launch):
-            u = self.launch[self.launched]
-            if not end and self.last.get(u.index, END) >= self.done:
+    def launch_gathers(self, i):
+        # the gathers the walk reached, in its order: those due by place i, then those ahead of their
+        # place, until one whose host update still runs
+        while self.deferred:
+            u, due = self.deferred[0]
+            if due > i and not u.update_done():
                 return
-            self.launched += 1
-            self.launch_reduce(u)
+            self.deferred.popleft()
+            u.unshard(wait=False)
 
     def launch_reduce(self, u):
-        # u's reductions launched; at stages 2-3 the ones two launches back awaited (stream-ordered
-        # on NCCL), at stages 0-1 all in drain()
+        # u's reductions launched, in every micro-batch's backward where the whole gradients are freed
+        # (2-3), else in the last's; at stages 2-3 the ones two launches back awaited (stream-ordered on
+        # NCCL), at stages 0-1 all in drain(). (No gather waits here: the backward runs no host update.)
+        if not (self.plan.shards_grads or self.micro == self.plan.accum - 1):
+            return
+        assert not self.deferred, "a reduction would pass a gather its table put first"
         self.reduced.add(u.index)
         self.in_flight.append((u, u.reduce()))
         if self.plan.shards_grads:
@@ -1706,10 +1773,9 @@ class Schedule:
         elif self.plan.gathers_lazily:
             self.net.call("no_grad forward")
             self.evals += 1
-        if self.last_ran is not None:       # a block called on its own since the last forward
-            self.last_ran.free(pending=True)
-        # what take() and in_turn() rely on: at stage 3 only held units are whole between forwards
-        stray = [u.name for u in self.units if u.phase == WHOLE and not u.held]
+        self.free_loose()                   # a block called on its own since the last forward
+        # what the tables assume: at stage 3 only the kept units are whole between forwards
+        stray = [u.name for u in self.units if u.phase == WHOLE and u.index not in self.kept]
         assert not (self.plan.shards_params and stray), f"whole between forwards: {stray}"
         # a forward with no backward to come (evaluation, a metric, a teacher) walks the first
         # segment, the training walk left where it was; one past the learned segments (after
@@ -1719,38 +1785,37 @@ class Schedule:
             s = self.forwards
         if self.learned:
             s %= len(self.segments)
-        starts = [0, *self.ends]            # each segment's first place, then the last one's end
         n = len(self.ends)                  # s >= n (a 2nd forward before learning): an empty walk
         self.walk = s
-        self.pos = starts[min(s, n)]
-        self.end = starts[min(s + 1, n)]
+        self.start = ([0, *self.ends])[min(s, n)]
         self.count = collections.Counter()
-        self.last_ran = None
         self.forwards += grad
-        # the units all ranks hold (the root among them) stay whole through the backward (one held
-        # on this rank alone is gathered in its turn, as the others gather it); in the first forward
-        # the others are _Sharded while they do not run, to see a parameter used out of its block
+        # the units all ranks keep (the root among them) stay whole through the backward; in the first
+        # forward the others are _Sharded while they do not run, to see a parameter used out of its block
         for u in self.units:
             if u.index in self.kept:
                 u.unshard()
             elif not self.checked:
                 u.mark(True)
+        self.begin_walk(self.forward_tables[min(s, n)])
 
     @torch.compiler.disable
     def exit(self, module, args, output):
         self.depth -= 1
         if self.depth:
             return
-        if self.last_ran is not None:
-            self.last_ran.free(pending=True)
-        self.last_ran = None
+        self.free_loose()
         if self.walk is None:               # no forward began (enter() raised, or never ran)
             return
-        self.forward_to(None)               # places after the last one this rank called
+        self.advance(self.table.end)        # the places after the last one this rank called
+        self.table = None
         self.walk = None
-        # no backward follows (evaluation, generation): freed, but what a backward to come needs
+        # what no table freed (gathered outside one before the order was learned) goes; a forward no
+        # backward follows (evaluation, generation) frees what a backward to come would need
         for u in self.units:
-            if not torch.is_grad_enabled():
+            if u.index not in self.kept:
+                u.free(pending=True)
+            elif not torch.is_grad_enabled():
                 u.free(pending=bool(self.calls))
             if u.phase == WHOLE and not self.checked:
                 u.mark(False)               # the first forward's marks go
@@ -1758,9 +1823,8 @@ class Schedule:
 
     @torch.compiler.disable
     def pre_forward(self, u, module, args, kwargs):
-        if self.last_ran is not None and self.last_ran is not u:
-            self.last_ran.free(pending=True)   # once another unit starts: one run twice stays
-        key = None                          # the call's node (None: called alone)
+        self.free_loose(keep=u)
+        key = None                          # the call's node (None: called outside a forward)
         if self.walk is not None:
             key = (self.walk, self.count[u.index], u.index)
         self.count[u.index] += 1
@@ -1770,15 +1834,15 @@ class Schedule:
                                "16-bit copy of every weight it gathers until the backward (the "
                                "whole model): drop the autocast and use Config(dtype='bf16') "
                                "(16-bit compute on fp32 masters, as autocast's)")
-        j = self.node.get(key)              # out of turn (called more often, or its place passed)
-        if j is not None and self.pos <= j < self.end:
-            self.forward_to(j)
-        elif key is None:                   # a block the script calls on its own, as all ranks do
+        j = self.node.get(key)              # its place (None: none in the walk)
+        if j is not None and self.point <= j - self.start < self.table.n:
+            self.advance(j - self.start)
             u.unshard()
-        else:
+        elif key is None:                   # a block the script calls on its own, as all ranks do
+            self.gather_loose(u)
+        else:                               # out of turn: called more often, or its place passed
             self.alone(u, "called in a forward more often, or in another order,")
         u.mark(False)
-        self.last_ran = u
         self.keys[u.index] = key
         self.ran.append(u.index)
         if not torch.is_grad_enabled():
@@ -1806,7 +1870,7 @@ class Schedule:
         storages = {f.flat.untyped_storage().data_ptr() for f in u.flats}
         for t in outs:
             if t.untyped_storage().data_ptr() in storages:
-                u.hold()                    # a parameter returned: whole until its backward
+                u.hold()                    # a parameter returned: its storage stays to its backward
             elif t.requires_grad and id(t) not in inputs:
                 # gathered again just before this call's backward (and recompute); a tensor it only
                 # passed along is not hooked: its gradient says nothing about this unit's backward
@@ -1822,15 +1886,11 @@ class Schedule:
             self.learn()
 
     def start_backward(self):
-        # a backward's progress from its start; the forward's last block is the first one back
-        self.done = 0
-        self.gathered = 0
-        self.launched = 0
+        # the backward's walk from its start: the forward's last block is the first one back
         self.reduced = set()
         self.in_flight = collections.deque()
         self.in_backward = True
-        if self.plan.shards_params and self.back and self.plan.prefetch:
-            self.places[self.back[0]].unshard(wait=False)
+        self.begin_walk(self.backward_table)
 
     def stop_backward(self):
         self.in_backward = False
@@ -1843,17 +1903,20 @@ class Schedule:
 
     @torch.compiler.disable
     def pre_backward(self, u, key, grad):
-        # a call's backward (or recompute) starts: u whole, the schedule past the places before it
+        # a call's backward (or recompute) starts: u whole, the walk at its place
         self.post_backward(u, key, start=True)
 
     def post_backward(self, u, key, start=False):
-        # a call's backward ends (start: begins): the schedule past its place; out of turn, u alone
+        # a call's backward ends (start: begins): the walk past its place (to it); out of turn, u alone
         self.outside()
-        k = self.bpos.get(self.node.get(key))
-        if k is not None and k >= self.done:
-            self.backward_to(k if start else k + 1, gather=start)
-        elif start and key is None:
+        k = self.bpos.get(self.node.get(key))   # its point in the backward's table
+        if k is not None and k >= self.point and start:
+            self.advance(k)
             u.unshard()
+        elif k is not None and k >= self.point:
+            self.advance(k + 1)
+        elif start and key is None:
+            self.gather_loose(u)
         elif start:
             self.alone(u, "backwarded more often, or in another order,")
 
@@ -1870,10 +1933,12 @@ class Schedule:
         u.trains[k].take_grad(i, p)
 
     def end_backward(self):
-        self.backward_to(len(self.back))    # what this rank's backward did not reach, in its turn
-        self.launch_ready(end=True)         # the held units (the root among them) last
+        # what this rank's backward did not reach, in its turn; the kept units' reductions last
+        self.advance(self.backward_table.end)
+        self.table = None
         self.drain()
-        for u in self.units:                # stage 3: what is whole goes (the root, escaped units)
+        self.loose = []
+        for u in self.units:                # stage 3: what is whole goes (the kept, escaped units)
             u.free(pending=False)
         self.calls = []
         self.forwards = 0
@@ -2292,8 +2357,7 @@ class Zero:
             rounded += [n for n in f.build(full, self._state) if n not in self.unfilled]
             self.net.count_held(f.flat.untyped_storage().nbytes())
             del full
-        if self.plan.shards_params:
-            u.reshard()
+        u.free(pending=False)               # stage 3: the shards alone stay
         return rounded
 
     def _warn_rounded(self, names):

@@ -14,7 +14,8 @@ grad clip 1.0): DDP + AdamW, DDP + ZeroRedundancyOptimizer and FSDP2
   3. throughput at 2 gloo ranks, as ratios against the peers, with our targets;
   4. CPU AdamW params/s, activation memory with and without recompute, and how
      much of the host update offload hides behind the next forward;
-  5. on a GPU only: tokens/s and MFU per stage, and the largest preset that trains.
+  5. on a GPU only: tokens/s, MFU and peak memory per stage next to plain torch and FSDP2, and the largest
+     GPT that plain torch, stage 3 and stage 3 with offload train (a CPU test runs it on a tiny GPT).
 
 A shared machine drifts by more than the differences we look for, so every
 variant is warmed up, then all of them run in interleaved rounds (in a rotating

@@ -14,7 +14,8 @@ grad clip 1.0): DDP + AdamW, DDP + ZeroRedundancyOptimizer and FSDP2
   3. throughput at 2 gloo ranks, as ratios against the peers, with our targets;
   4. CPU AdamW params/s, activation memory with and without recompute, and how
      much of the host update offload hides behind the next forward;
-  5. on a GPU only: tokens/s and MFU per stage, and the largest preset that trains.
+  5. on a GPU only: tokens/s, MFU and peak memory per stage next to plain torch and FSDP2, and the largest
+     GPT that plain torch, stage 3 and stage 3 with offload train (a CPU test runs it on a tiny GPT).
 
 A shared machine drifts by more than the differences we look for, so every
 variant is warmed up, then all of them run in interleaved rounds (in a rotating
@@ -699,11 +700,298 @@ def report_offload(o):
 
 
 # --------------------------------------------------------------------------- GPU (not run on CPU machines)
+# The section's measurements are functions of a device and sizes, so that the suite runs them on the CPU with a
+# tiny GPT (test_bench_gpu_section_on_cpu): report_gpu calls them with CUDA, a real meter and real sizes.
+GPU_BASE = "torch"  # a plain torch loop, no engine: every ratio of the section is against it
+SEARCHED = ("torch", "zero3", "zero3+off")  # the largest GPT each trains (ZeRO-Offload's headline)
+HOST_SHARE = 0.7  # of the host's memory, offload's state may take: the rest for the process (CUDA, torch), the OS
+
+
+def free_memory(device):
+    """What the last variant left: its cycles collected, and the GPU's cache returned (for the next one)."""
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sync(device):
+    if device.type == "cuda":  # a step's kernels are queued: the clock waits for them
+        torch.cuda.synchronize(device)
+
+
+class CudaMeter:
+    """Peak bytes allocated on the GPU between start() and peak(): what one variant built and ran, the
+    variants built before it (alive, unchanged meanwhile) not counted."""
+
+    def __init__(self, device):
+        self.device = device  # the GPU measured
+        self.base = 0  # bytes allocated at start()
+
+    def start(self):
+        free_memory(self.device)
+        sync(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+
+    def peak(self, model):  # (the model: for a meter that counts it instead, as the CPU test's do)
+        sync(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+
+class one_rank_group:
+    """A process group of this process alone, for `with`: FSDP2 needs one, and the engines made inside use it
+    too, so every variant runs on the same backend (NCCL on a GPU, gloo on the CPU). A group made before is
+    used as it is."""
+
+    def __init__(self, device):
+        self.device = device  # where the variants run
+        self.made = False  # whether this made the group (and destroys it at exit)
+
+    def __enter__(self):
+        if not dist.is_initialized():
+            backend = "gloo"
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # before NCCL starts
+                backend = "nccl"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            self.made = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.made:
+            dist.destroy_process_group()
+
+
+def flops_per_token(model):
+    # train_gpt.py's count: 6 per parameter but the position embedding's (forward and backward), plus attention
+    L, C, T = len(model.blocks), model.wte.weight.shape[1], model.block_size
+    return 6 * (numel(model) - model.wpe.weight.numel()) + 12 * L * C * T
+
+
+def one_gpu_step(name, model, device, dtype="bf16"):
+    """`model` trained on `device` by one process: "torch" (torch's fused AdamW under bf16 autocast, no engine),
+    "fsdp2" (fully_shard per block and on the root, in the process group), zero.py's zero0 .. zero3 ("+off":
+    offload). A meta model is made real by the engine. -> step(x, y) returning the loss, not synced."""
+    if stage_of(name) is not None:
+        cfg = zero.Config(stage=stage_of(name), dtype=dtype, offload=name.endswith("+off"), **OPT)
+        eng = zero.Zero(model, cfg, init_fn=train_gpt.init_weights)
+
+        def step(x, y):
+            loss = eng(x, y)
+            eng.backward(loss)
+            eng.step()
+            return loss.detach()
+        return step
+    if dtype != "bf16":
+        raise ValueError(f"{name} runs in bf16 here (fp16 would need a GradScaler), not {dtype}")
+    amp = torch.autocast(device.type, torch.bfloat16)
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:     # torch 2.4 has FSDP2 under its first, private name
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device.type, (1,))
+        # reductions in bf16, as zero's reduce_dtype="" (the compute dtype) does
+        mpp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for b in model.blocks:  # the same units as zero.py's
+            fully_shard(b, mesh=mesh, mp_policy=mpp)
+        fully_shard(model, mesh=mesh, mp_policy=mpp)  # (moves the model to the mesh's device)
+        amp = nullcontext()
+    elif name == "torch":
+        model.to(device)
+    else:
+        raise ValueError(f"unknown variant {name!r}")
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **OPT)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)  # first: the grads stay held between steps, as in a training loop
+        with amp:
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def gpu_speed(device, variants, make_model, B, warmup, rounds, steps, meter):
+    """Each (name, dtype) of `variants` built from make_model() and warmed up alone (`meter` measures its peak
+    memory over the two), then all of them timed in interleaved rounds of `steps` steps each (a rotating order),
+    the built ones kept alive. -> {(name, dtype): dict(tok_s per round, peak bytes, flops per token, losses:
+    warm-up and timed, in order)}, or an error string for a variant that failed."""
+    out, runs = {}, {}
+    for name, dtype in variants:
+        model = step = xy = None  # a failed variant's, gone before the next one is measured
+        try:
+            meter.start()
+            model = make_model()
+            flops = flops_per_token(model)
+            step = one_gpu_step(name, model, device, dtype)
+            xy = tuple(t.to(device) for t in batch(model, B, 0))
+            losses = [step(*xy) for _ in range(warmup)]
+            out[name, dtype] = dict(tok_s=[], peak=meter.peak(model), flops=flops, losses=losses)
+            runs[name, dtype] = step, xy, B * model.block_size * steps
+        except Exception as e:  # reported in its row; the others still run
+            out[name, dtype] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+    keys = list(runs)
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotate: nobody always goes first
+            step, xy, tokens = runs[k]
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(steps):
+                out[k]["losses"].append(step(*xy))
+            sync(device)
+            out[k]["tok_s"].append(tokens / (time.perf_counter() - t))
+    for k in keys:
+        out[k]["losses"] = [float(v) for v in out[k]["losses"]]  # read after the clock: no sync in the rounds
+    return out
+
+
+def gpu_speed_rows(res, peak_flops):
+    """Table rows of gpu_speed's result: tokens/s (median), x torch (the median of per-round ratios), MFU, peak
+    memory and x torch, the loss at the first and the last step."""
+    base = res.get((GPU_BASE, "bf16"))
+    rows = []
+    for (name, dtype), r in res.items():
+        if isinstance(r, str):
+            rows.append([name, dtype, f"failed: {r}", "", "", "", "", ""])
+            continue
+        speed = mem = "—"
+        if isinstance(base, dict):
+            speed = f"{ratio(r['tok_s'], base['tok_s']):.2f}"
+            mem = f"{r['peak'] / base['peak']:.2f}"
+        mfu = "— (peak unknown)"
+        if peak_flops:
+            mfu = f"{r['flops'] * statistics.median(r['tok_s']) / peak_flops:.1%}"
+        rows.append([name, dtype, f"{statistics.median(r['tok_s']):,.0f}", speed, mfu, f"{r['peak'] / GB:.2f}",
+                     mem, f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}"])
+    return rows
+
+
+def search_gpt(shape, n_layer, device):
+    """train_gpt's GPT of `shape` with n_layer blocks, made on `device` (meta: shapes only, for an engine)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        return train_gpt.GPT(VOCAB, n_layer=n_layer, **shape)
+
+
+def is_oom(e):
+    # the allocator's error, or a library's (cuBLAS, NCCL) that failed to allocate
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    text = str(e)
+    return isinstance(e, oom) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+def try_train(name, n_layer, shape, device, steps, meter, host_budget, peaks):
+    """None if `name` trains the GPT of n_layer blocks for `steps` steps (batch 1) on `device`, else why not:
+    its host state (offload) over host_budget bytes, checked before anything is made, or out of memory.
+    Records its peak (meter) in peaks[n_layer]. Everything it made is freed before it returns."""
+    where = device
+    if stage_of(name) is not None:  # the engine makes it real, unit by unit, on the GPU
+        where = torch.device("meta")
+    if name.endswith("+off"):
+        psi = numel(search_gpt(shape, n_layer, "meta"))
+        need = sum(zero.estimate_memory(psi, 1, 3, "bf16", offload=True, device=device.type)["host"].values())
+        if need > host_budget:
+            return f"host: {need / GB:.1f} GB > {host_budget / GB:.1f}"
+    try:
+        meter.start()
+        model = search_gpt(shape, n_layer, where)
+        step = one_gpu_step(name, model, device)
+        xy = tuple(t.to(device) for t in batch(model, 1, 0))
+        for _ in range(steps):
+            loss = step(*xy)
+        peaks[n_layer] = meter.peak(model)
+        if not torch.isfinite(loss):
+            return f"loss {float(loss)}"
+        return None
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        return "out of memory"
+    finally:  # (the exception's frames, which held the tensors, are gone here)
+        model = step = xy = loss = None
+        free_memory(device)
+
+
+def largest(fits, start, refine, limit=4096, deadline=float("inf")):
+    """The largest n for which fits(n) is None (n layers trained), sizes being monotone: from `start` doubling
+    while it fits (halving while it does not), then `refine` bisections between the largest n that fit and
+    the smallest that did not. No new try after `deadline` (time.monotonic()) or above `limit`.
+    -> (n, or 0 if none fit; {n: None or why not} of every try, in order)."""
+    tried = {}
+
+    def ok(n):
+        tried[n] = fits(n)
+        return tried[n] is None
+
+    lo, hi = 0, None  # the largest n that fit, the smallest that did not
+    if ok(start):
+        lo = start
+        while hi is None and 2 * lo <= limit and time.monotonic() < deadline:
+            if ok(2 * lo):
+                lo = 2 * lo
+            else:
+                hi = 2 * lo
+    else:
+        hi = start
+        while lo == 0 and hi > 1 and time.monotonic() < deadline:
+            if ok(hi // 2):
+                lo = hi // 2
+            else:
+                hi = hi // 2
+    for _ in range(refine):
+        if not lo or hi is None or hi - lo < 2 or time.monotonic() >= deadline:
+            break
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, tried
+
+
+def gpu_largest(device, shape, start, refine, meter_of, host_budget, budget_s, steps=1):
+    """largest() of each SEARCHED variant, each within budget_s seconds (a try begun is finished); offload's
+    search starts from the largest the others trained. -> {name: (n, tried, peaks)}."""
+    out = {}
+    for name in SEARCHED:
+        peaks = {}
+        first = start
+        if name.endswith("+off"):
+            first = max([start] + [out[k][0] for k in out])
+        fits = lambda n, name=name, peaks=peaks: try_train(  # noqa: E731
+            name, n, shape, device, steps, meter_of(name), host_budget, peaks)
+        n, tried = largest(fits, first, refine, deadline=time.monotonic() + budget_s)
+        out[name] = (n, tried, peaks)
+    return out
+
+
+def gpu_largest_rows(res, shape):
+    """Table rows of gpu_largest's result: the largest n_layer, its parameters and x torch's, its peak, the
+    tries."""
+    params = {name: numel(search_gpt(shape, n, "meta")) for name, (n, _, _) in res.items() if n}
+    rows = []
+    for name, (n, tried, peaks) in res.items():
+        size = times = peak = "—"
+        if n:
+            size = f"{params[name] / 1e6:,.0f}M"
+            peak = f"{peaks[n] / GB:.1f}"
+        if n and GPU_BASE in params:
+            times = f"{params[name] / params[GPU_BASE]:.2f}"
+        tries = ", ".join(f"{k}: {why or 'ok'}" for k, why in tried.items())
+        rows.append([name, n or "none", size, times, peak, tries])
+    return rows
+
+
 def report_gpu(quick):
     print("### 5. One GPU\n")
     if not torch.cuda.is_available() or zero is None:
         return print("skipped: " + ("no CUDA device" if zero else f"import zero failed: {ZERO_ERR}") + "\n")
-    name, dev = torch.cuda.get_device_name(), torch.device("cuda")
+    name, dev = torch.cuda.get_device_name(), torch.device("cuda", torch.cuda.current_device())
     peak = next((v for k, v in train_gpt.PEAK_FLOPS.items() if k in name), 0.0)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"torch {torch.__version__} on {name}; the host update runs on {zero._host_threads()} threads "
@@ -731,41 +1019,64 @@ def report_gpu(quick):
     print(f"offload staging: 16-bit parameters equal the masters' rounding after each step {exact}; the never-"
           f"updated weight after load_state_dict: {'kept' if torch.all(unused == 0.25) else 'CHANGED'}; pinned "
           f"{pinned / MB:.3f} MB pinned, memory()['host'] {host / MB:.3f} MB\n")
-    del eng, model
+    del eng, model, x, y
+    free_memory(dev)
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # the host's
+    gpu_tables(dev, gpu_sizes(quick), CudaMeter(dev), lambda _: CudaMeter(dev), peak, memory)
 
-    def run(preset, stage, dtype, offload, B, steps):
-        model = make_gpt(preset)
-        eng = zero.Zero(model, zero.Config(stage=stage, dtype=dtype, offload=offload, **OPT))
-        x, y = (t.to(dev) for t in batch(model, B, 0))
-        for i in range(2 + steps):  # two warm-up steps
-            if i == 2:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-            eng.backward(eng(x, y))
-            eng.step()
-        torch.cuda.synchronize()
-        tok_s, psi = B * model.block_size * steps / (time.perf_counter() - t), numel(model)
-        L, C, T = len(model.blocks), model.wte.weight.shape[1], model.block_size
-        flops = 6 * (psi - model.wpe.weight.numel()) + 12 * L * C * T  # per token, as train_gpt.py counts
-        return tok_s, flops * tok_s / peak if peak else None
-    rows = []
-    for dtype, stage in ((d, s) for d in ("bf16", "fp16") for s in range(4)):
-        tok_s, mfu = run("gpt2", stage, dtype, False, 4 if quick else 8, 3 if quick else 10)
-        rows.append([stage, dtype, f"{tok_s:,.0f}", f"{mfu:.1%}" if mfu else "— (peak unknown)"])
-        torch.cuda.empty_cache()
-    table([f"stage (gpt2, batch {4 if quick else 8} x 1024, {name})", "dtype", "tokens/s", "MFU"], rows)
-    for offload in (False, True):
-        largest = "none"
-        for preset in [p for p in train_gpt.PRESETS if p != "tiny"]:
-            try:
-                run(preset, 2, "bf16", offload, 1, 1)
-                largest = preset
-            except torch.cuda.OutOfMemoryError:
-                break
-            finally:
-                torch.cuda.empty_cache()
-        print(f"largest preset that trains (stage 2, bf16, batch 1, offload={offload}): {largest}")
-    print()
+
+def gpu_sizes(quick):
+    """The GPU section's sizes: the gpt2 preset for speed; GPTs of n_embd 2048 for the largest-model search."""
+    n_layer, n_head, n_embd, block_size = train_gpt.PRESETS["gpt2"]
+    o = dict(speed_layers=n_layer, speed_shape=dict(n_head=n_head, n_embd=n_embd, block_size=block_size), B=8,
+             warmup=2, rounds=10, steps=3, fp16=True, search_shape=dict(n_head=16, n_embd=2048, block_size=1024),
+             start=8, refine=2, budget_s=90)
+    if quick:  # gpu-check.sh gives bench.py --quick 150 s in all
+        o.update(B=4, rounds=3, steps=2, fp16=False, start=32, refine=1, budget_s=30)
+    return o
+
+
+def gpu_tables(device, o, meter, meter_of, peak_flops, host_memory):
+    """Tables 5a (speed and memory of plain torch, FSDP2 and zero's stages) and 5b (the largest GPT each of plain
+    torch, zero3 and zero3 with offload trains) on `device`, of the sizes `o` (gpu_sizes), in a 1-rank group:
+    peak memory by `meter` (5a) and meter_of(variant) (5b); offload's host state within HOST_SHARE of
+    host_memory bytes. -> (gpu_speed's result, gpu_largest's)."""
+    variants = [(GPU_BASE, "bf16"), ("fsdp2", "bf16")] + [(f"zero{s}", "bf16") for s in range(4)]
+    if o["fp16"]:
+        variants += [(f"zero{s}", "fp16") for s in range(4)]
+    with one_rank_group(device):
+        backend = dist.get_backend()
+        t = time.time()
+        make = lambda: search_gpt(o["speed_shape"], o["speed_layers"], "cpu")  # noqa: E731  (seed 0: the same)
+        speed = gpu_speed(device, variants, make, o["B"], o["warmup"], o["rounds"], o["steps"], meter)
+        psi = numel(search_gpt(o["speed_shape"], o["speed_layers"], "meta"))
+        print(f"#### 5a. Speed and memory next to plain torch: GPT of {o['speed_layers']} x n_embd "
+              f"{o['speed_shape']['n_embd']} ({psi / 1e6:.0f}M params), batch {o['B']} x "
+              f"{o['speed_shape']['block_size']}, one process ({time.time() - t:.0f} s)\n")
+        print(f"Each variant built and warmed up ({o['warmup']} steps) alone, then {o['rounds']} interleaved rounds "
+              f"of {o['steps']} steps; x torch: the median of per-round ratios to plain torch (torch.optim.AdamW("
+              "fused=True) under bf16 autocast, no engine). FSDP2: fully_shard per block and on the root, "
+              f"MixedPrecisionPolicy(bf16, reduce bf16), in a 1-rank {backend} group, as zero's engines here. Peak: "
+              "torch.cuda.max_memory_allocated over the build and warm-up, reset before each (GB = 1e9 B).\n")
+        table(["variant", "dtype", "tokens/s", "x torch", "MFU", "peak GB", "x torch", "loss first → last"],
+              gpu_speed_rows(speed, peak_flops))
+        free_memory(device)
+        # ZeRO-Offload's claim: the largest model one GPU trains; the host holds offload's 16 bytes a parameter
+        shape = o["search_shape"]
+        t = time.time()
+        largest = gpu_largest(device, shape, o["start"], o["refine"], meter_of, HOST_SHARE * host_memory,
+                              o["budget_s"])
+        print(f"#### 5b. The largest GPT that trains on this device: n_embd {shape['n_embd']}, {shape['n_head']} "
+              f"heads, {shape['block_size']} tokens, batch 1, bf16, one step, by n_layer ({time.time() - t:.0f} s)\n")
+        print(f"From n_layer {o['start']} doubling until one does not train, then {o['refine']} bisection(s), "
+              f"no new try after {o['budget_s']} s; offload's search starts where the others stopped. Offload's host "
+              "state (zero.estimate_memory: grads, master, moments, the pinned staging copy) is checked first, "
+              f"against {HOST_SHARE:.0%} of this host's {host_memory / GB:.0f} GB. x torch: by parameters. zero3: "
+              "stage 3 at world size 1 (its gain is N ranks' sharding, so about torch's here); zero3+off: with "
+              "offload=True.\n")
+        table(["variant", "largest n_layer", "params", "x torch", "peak GB", "tries (n_layer: result)"],
+              gpu_largest_rows(largest, shape))
+    return speed, largest
 
 
 # --------------------------------------------------------------------------- main

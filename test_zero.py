@@ -5054,3 +5054,134 @@ def test_peak_gathered_bytes_follow_the_prefetch_depth():
     for k, r in spawn(_prefetch_peak, 2)[0].items():
         assert len(set(r["unit"])) == 1, r
         assert r["peak"] == r["root"] + min(k + 1, 4) * r["unit"][0], (k, r)
+
+# issue 37 item 3: bench.py's GPU section (plain torch, FSDP2, zero's stages; the largest GPT each trains), run on
+# the CPU with a tiny GPT, a counting meter for peak memory and a fake memory cap, so that its code cannot rot
+
+class _CountingMeter:
+    """Peak memory as bench's meters report it, faked: the k-th start() makes peak() return k thousand bytes, so
+    that each variant's figure is known and its ratio to plain torch can be checked."""
+
+    def __init__(self):
+        self.k = 0
+
+    def start(self):
+        self.k += 1
+
+    def peak(self, model):
+        return 1000 * self.k
+
+
+class _FakeDevice:
+    """bench's meter for the search, and a device of `cap` blocks: a model of more fails inside its step as CUDA's
+    allocator would, with `error` (torch's OutOfMemoryError, or a library's RuntimeError naming it) in a block's
+    forward, or in its backward with `backward`; peak() is 10 bytes a block."""
+    current = None                                          # the one whose start() came last
+
+    def __init__(self, cap, error, backward):
+        self.cap = cap
+        self.error = error
+        self.backward = backward
+
+    def start(self):
+        _FakeDevice.current = self
+
+    def peak(self, model):
+        return 10 * len(model.blocks)
+
+    def fail(self, *args):
+        raise self.error(f"fake: more than {self.cap} blocks: out of memory")
+
+
+def _fake_oom_forward(forward):
+    def run(block, x):                                      # a block knows its model's n_layer (its init's scale)
+        out = forward(block, x)
+        dev = _FakeDevice.current
+        if dev is not None and block.attn.proj.residual_of > dev.cap:
+            if not dev.backward:
+                dev.fail()
+            out.register_hook(dev.fail)
+        return out
+    return run
+
+
+BENCH_SHAPE = dict(n_head=2, n_embd=32, block_size=16)
+BENCH_CAPS = {"torch": 3, "zero3": 5, "zero3+off": 40}     # blocks each fits on the fake device
+BENCH_FAILS = {"torch": (torch.cuda.OutOfMemoryError, False), "zero3": (RuntimeError, True),
+               "zero3+off": (torch.cuda.OutOfMemoryError, True)}    # how: the error, in the backward
+BENCH_HOST_LAYERS = 12                                      # offload's host budget: that many blocks' state
+
+
+def _bench_gpu_case(rank, world):
+    import bench
+    psi = bench.numel(bench.search_gpt(BENCH_SHAPE, BENCH_HOST_LAYERS, "meta"))
+    host = sum(zero.estimate_memory(psi, 1, 3, "bf16", offload=True, device="cpu")["host"].values())
+    host /= bench.HOST_SHARE                                 # the host's memory whose share that is
+    o = dict(speed_layers=2, speed_shape=BENCH_SHAPE, B=2, warmup=2, rounds=3, steps=1, fp16=False,
+             search_shape=BENCH_SHAPE, start=1, refine=3, budget_s=60)
+    assert set(o) == set(bench.gpu_sizes(True)) == set(bench.gpu_sizes(False))    # the GPU's sizes, tiny
+    bench.train_gpt.Block.forward = _fake_oom_forward(bench.train_gpt.Block.forward)   # (this process only)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        speed, largest = bench.gpu_tables(torch.device("cpu"), o, _CountingMeter(),
+                                          lambda name: _FakeDevice(BENCH_CAPS[name], *BENCH_FAILS[name]), 0.0, host)
+    out = dict(speed=speed, speed_rows=bench.gpu_speed_rows(speed, 0.0), largest=largest,
+               largest_rows=bench.gpu_largest_rows(largest, BENCH_SHAPE), text=text.getvalue())
+    out["group_left"] = dist.is_initialized()
+    # the host budget as the search should find it: the largest n whose offload state fits in its share (a GPT's
+    # parameters grow by one block's with each block)
+    one, two = (bench.numel(bench.search_gpt(BENCH_SHAPE, n, "meta")) for n in (1, 2))
+    need = {n: sum(zero.estimate_memory(one + (n - 1) * (two - one), 1, 3, "bf16", offload=True,
+                                        device="cpu")["host"].values()) for n in range(1, 41)}
+    out["host_fits"] = max(n for n, b in need.items() if b <= bench.HOST_SHARE * host)
+    out["params"] = (one, two)
+    return out
+
+
+def test_bench_gpu_section_on_cpu():
+    """bench.py's GPU section on the CPU: every variant's row from measured numbers, and the search for the
+    largest model finding each fake cap exactly (OOM and host budget), with the ratios computed from them."""
+    import statistics
+    r = spawn(_bench_gpu_case, 1)[0]
+    one, two = r["params"]
+    bench_numel = lambda n: one + (n - 1) * (two - one)      # noqa: E731  a GPT of n blocks' parameters
+    assert not r["group_left"]
+    for title in ("#### 5a. Speed and memory", "#### 5b. The largest GPT", "| torch | bf16 |", "| zero3+off |"):
+        assert title in r["text"], r["text"]
+    for row in r["speed_rows"] + r["largest_rows"]:         # as printed
+        assert "| " + " | ".join(str(c) for c in row) + " |" in r["text"], (row, r["text"])
+    speed, rows = r["speed"], {(row[0], row[1]): row for row in r["speed_rows"]}
+    names = ["torch", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
+    assert list(speed) == [(n, "bf16") for n in names], speed.keys()
+    if torch.__version__ < "2.6":                       # torch 2.4's FSDP2 needs CUDA: its row says so
+        assert isinstance(speed["fsdp2", "bf16"], str) and "failed" in rows["fsdp2", "bf16"][2]
+        names.remove("fsdp2")
+    base = speed["torch", "bf16"]
+    for name in names:
+        s, row = speed[name, "bf16"], rows[name, "bf16"]
+        assert isinstance(s, dict), (name, s)
+        assert len(s["tok_s"]) == 3 and min(s["tok_s"]) > 0, (name, s)
+        assert len(s["losses"]) == 2 + 3 and all(math.isfinite(x) for x in s["losses"]), (name, s["losses"])
+        assert s["losses"][-1] < s["losses"][0] - 0.05, (name, s["losses"])    # the same batch: it learns
+        assert abs(s["losses"][0] - base["losses"][0]) < 1e-2, (name, s["losses"])   # the same initial weights
+        # the table's ratios are these measurements': tokens/s by the median of per-round ratios, peak by ratio
+        speedup = statistics.median(a / b for a, b in zip(s["tok_s"], base["tok_s"]))
+        assert row[2] == f"{statistics.median(s['tok_s']):,.0f}" and row[3] == f"{speedup:.2f}", row
+        assert s["peak"] == 1000 * (1 + [v for v, _ in speed].index(name)), (name, s)   # its own start()
+        assert row[6] == f"{s['peak'] / base['peak']:.2f}", row
+        assert row[4].startswith("—"), row                # MFU: no peak FLOP/s known on a CPU
+    largest, lrows = r["largest"], {row[0]: row for row in r["largest_rows"]}
+    want = {"torch": 3, "zero3": 5, "zero3+off": min(BENCH_CAPS["zero3+off"], r["host_fits"])}
+    assert 5 < want["zero3+off"] < 40, r["host_fits"]    # the host budget is what stops offload here
+    for name, n in want.items():
+        got, tried, peaks = largest[name]
+        assert got == n, (name, got, tried)
+        assert tried[n] is None and tried.get(n + 1) is not None, (name, tried)    # n fit, n + 1 tried: did not
+        assert all((why is None) == (k <= n) for k, why in tried.items()), (name, tried)
+        assert peaks == {k: 10 * k for k, why in tried.items() if why is None}, (name, peaks)
+        size = [bench_numel(n), bench_numel(3)]                 # this GPT's parameters, and torch's largest's
+        assert lrows[name][1] == n and lrows[name][3] == f"{size[0] / size[1]:.2f}", (lrows[name], size)
+    assert list(largest["zero3+off"][1])[0] == 5                # offload starts where the others stopped
+    assert set(largest["torch"][1].values()) == {None, "out of memory"}     # in the forward, caught
+    assert "out of memory" in largest["zero3"][1].values()                  # a RuntimeError in the backward too
+    assert any(str(why).startswith("host:") for why in largest["zero3+off"][1].values())

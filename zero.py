@@ -1123,13 +1123,13 @@ class Flat:
         # the squared norm of the gradient slice this rank owns
         if self.plan.offload:
             return self.norm
-        if self.plan.shards_optim:
-            return torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32) ** 2
-        # stage 0: the whole gradient's as the sum over the slices stages 1-3 own, in fp64 as theirs
-        # is: the norm's rounding, which the clip carries into every update, is every stage's
-        pieces = [torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-                  for g in self.grad_shard.view(self.plan.shards, -1)]
-        return torch.stack(pieces).double().sum()
+        mine = self.grad_shard
+        if not self.plan.shards_optim:
+            # stage 0: the slice stages 1-3 would own, its square summed over ranks in the step's fp64
+            # all-reduce as theirs is (the norm's rounding, which the clip carries into every update, is
+            # every stage's), one kernel per rank, not one per rank's slice on every rank
+            mine = mine.view(self.plan.shards, -1)[self.plan.shard_rank]
+        return torch.linalg.vector_norm(mine, dtype=torch.float32) ** 2
 
     # -- the step
     def new_window(self):                   # the step is agreed: the next accumulation starts
@@ -2412,9 +2412,9 @@ class Zero:
             u.finish_replica()
             for f in u.trains:
                 sq += f.sq_norm()
-        # a copy several ranks hold (stage 0, hybrid replicas) counts once: the others add 0 times
-        # theirs (nan if not finite: an overflow anywhere skips everywhere)
-        sq *= float((self.net.replica if self.plan.shards_optim else self.rank) == 0)
+        # a copy several hybrid replicas hold counts once: the others add 0 times theirs (nan if not
+        # finite: an overflow anywhere skips everywhere); stage 0's ranks each add their own slice's
+        sq *= float(self.net.replica == 0)
         flags = [u.held for u in self.units]
         flags += [i in f.got for u in trained for f in u.trains for i in range(len(f.params))]
         extra = torch.cat([sq.view(1), torch.tensor(flags, dtype=torch.float64).to(self.device)])

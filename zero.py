@@ -440,16 +440,19 @@ class Comm:
                 self.wait(e)
         return out
 
-    def agree(self, key, explain, extra=None):
+    def agree(self, key, explain, flags=(), extra=None):
         """The ranks' one primitive of agreement (the setup's config, the step, a load): `key`'s
-        fingerprint and its squares summed in one fp64 all-reduce, beside `extra` (a float64 tensor
-        on the device, whose sums come back). Where some rank's key differs, every rank's explain()
-        is gathered too, for the caller to say who differs; else that list is None."""
+        fingerprint and its squares summed in one fp64 all-reduce, beside `flags` (numbers on the
+        host) and `extra` (a float64 tensor on the device), whose sums come back in that order. Where
+        some rank's key differs, every rank's explain() is gathered too, for the caller to say who
+        differs; else that list is None."""
         digits = fingerprint(key)
-        head = torch.tensor(digits + [d * d for d in digits], dtype=torch.float64)
-        if self.device.type == "cuda":      # one host-to-device copy, behind the work queued so far
-            head = head.pin_memory().to(self.device, non_blocking=True)
-        stats = head if extra is None else torch.cat([head, extra])
+        head = torch.tensor(digits + [d * d for d in digits] + list(flags), dtype=torch.float64)
+        # what the host gives goes as one tensor, in one copy (on CUDA pinned, not blocking: the
+        # step's one host sync is then the read of the sums, after the polled wait)
+        stats = _to_device(head, self.device)
+        if extra is not None:
+            stats = torch.cat([stats, extra])
         self.all_reduce(stats, kind="scalar")
         sums = stats.tolist()
         if all(a * a == self.world * q for a, q in zip(sums[:4], sums[4:8])):
@@ -534,6 +537,14 @@ class Comm:
                          for r, log in sorted(logs.items())[:8] if log)
         more = _more_calls({r: c for r, (c, _) in seen.items()})
         return "; ".join(more + [last or "no rank said more"])
+
+
+def _to_device(host, device):
+    # a host tensor on `device`: on CUDA pinned first, then copied behind the work queued so far without
+    # blocking the CPU (a pageable copy is a stream synchronize); on the CPU the tensor itself
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _work_done(work, seconds):
@@ -2417,9 +2428,9 @@ class Zero:
         sq *= float(self.net.replica == 0)
         flags = [u.held for u in self.units]
         flags += [i in f.got for u in trained for f in u.trains for i in range(len(f.params))]
-        extra = torch.cat([sq.view(1), torch.tensor(flags, dtype=torch.float64).to(self.device)])
         mine = (self.net.trace, self.sched.ran, dict(self.net.calls))   # gathered if ranks differ
-        (global_sq, *rest), every = self.net.agree(self.net.trace, lambda: mine, extra)
+        # the flags go with the fingerprint in one host tensor; the norm stays on the device
+        (*rest, global_sq), every = self.net.agree(self.net.trace, lambda: mine, flags, sq.view(1))
         held = rest[:len(self.units)]       # per unit: held whole on some rank
         for u in trained:                   # the next window starts a new accumulation
             for f in u.trains:

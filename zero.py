@@ -724,8 +724,17 @@ def _cpu_kernel():
 
 
 def _host_threads():
-    # the cores this process may run on, shared by the node's ranks (under torchrun torch has only one thread)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # the cores this process may run on (under torchrun torch has only one thread), shared by the node's ranks
+    # unless the launcher bound each rank to cores of its own: then this rank's mask is narrower than the
+    # launcher's (a container's cpuset narrows both, and its ranks still share it)
+    if not hasattr(os, "sched_getaffinity"):
+        return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cores = len(os.sched_getaffinity(0))
+    launcher = os.cpu_count() or 1          # the parent's mask; the machine's where it cannot be read
+    with contextlib.suppress(OSError):
+        launcher = len(os.sched_getaffinity(os.getppid()))
+    if cores < launcher:                    # bound: these cores are this rank's alone
+        return cores
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
@@ -2724,9 +2733,11 @@ class HostWorker:
         self.jobs = queue.SimpleQueue()     # (fn, Future) in order; None: the thread ends
         self.timeout = timeout_s            # seconds a wait (and the exit's join) may take
         self.copies = Copies(device)        # its units' copies to the host and back
-        self.thread = threading.Thread(target=self._run, args=(device,), daemon=True,
+        ready = threading.Event()           # its torch thread count set, the default put back
+        self.thread = threading.Thread(target=self._run, args=(device, ready), daemon=True,
                                        name="zero-offload-adam")
         self.thread.start()
+        ready.wait()
 
     def submit(self, fn):
         # the Future the unit keeps: its result, or the update's exception, at the unit's next wait
@@ -2734,9 +2745,21 @@ class HostWorker:
         self.jobs.put((fn, future))
         return future
 
-    def _run(self, device):
+    def _run(self, device, ready):
         if device.type == "cuda":
             torch.cuda.set_device(device)   # the current GPU is per thread
+        # torch's ops here (the update without the C kernel, Muon on the host) take the rank's cores, not
+        # torch's count (1 under torchrun). With OpenMP the count is per thread once a thread has used it,
+        # but a set is also the default that threads starting later take: a throwaway thread puts that
+        # back while the caller waits (it may not have used its count yet)
+        try:
+            default = torch.get_num_threads()
+            torch.set_num_threads(_host_threads())
+            restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+            restore.start()
+            restore.join()
+        finally:
+            ready.set()
         for fn, future in iter(self.jobs.get, None):
             try:
                 future.set_result(fn())

@@ -237,6 +237,8 @@ def _reduce_scatter(out, inp, group=None, async_op=True):
 _GROUPS = {}    # (ranks, purpose, world, timeout) -> process group, made once per process, shared
 _SERIALS = {}   # ranks -> a counter of the engines made on them, the same on each
 POLL_S = 1.0    # a CPU wait this long compares the ranks' calls in the store (a call made alone)
+STORE_RATE = 2000   # requests a second to the store that all ranks' long waits make together, at most (one
+                    # TCPStore, torchrun's rendezvous store too, served about 22k a second here)
 RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls one rank may make alone
 CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
 EVERY_RANK = (
@@ -286,6 +288,7 @@ class Comm:
         self.calls = collections.Counter()  # this rank's calls by name (forward, backward, ...)
         self.log = collections.deque(maxlen=64)   # the last of them, (n, name): the n-th call made
         self.posted = 0                     # n of the last call posted to the store (long waits)
+        self.checked = []                   # the store keys of the last call checked there
         debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
         self.check_calls = cfg.check_calls or debug     # every call checked through the store
         self.ranks = [0]                    # the group's ranks, global numbers
@@ -377,7 +380,7 @@ class Comm:
                     if cpu and self.device.type == "cuda":
                         event = torch.cuda.Event()  # polled, not a sync that could hang unbounded
                         event.record()
-                        why = self.until(functools.partial(_poll, event.query))
+                        why = self.until(_Poll(event.query, 1e-4, 1e-4))
                 else:
                     why = self.until(functools.partial(_work_done, work))
             except RuntimeError as e:       # gloo's: a timeout, sizes that differ, a dead peer
@@ -390,13 +393,21 @@ class Comm:
                                f"another rank died, stalled or made other calls ({self.report()}); "
                                f"if slow, raise Config.timeout_s; {EVERY_RANK}") from error
 
+    def pace(self):
+        """Seconds between a waiting rank's store requests, on average: at most STORE_RATE a second
+        from N ranks waiting at once, whatever N (20 a second from each of a few)."""
+        return max(0.05, self.world / STORE_RATE)
+
     def until(self, done):
-        """Wait for done(seconds) -> finished within them, up to timeout_s, in slices of POLL_S:
-        after each, this rank's calls are posted to the store and ranks 0 and 1's read, so that
-        ranks whose n-th calls differ (one made a call alone) learn it in seconds. Returns None when
-        done, "" at the timeout, else how the calls differ. A wait under POLL_S touches no store."""
+        """Wait for done(seconds) -> finished within them, up to timeout_s, in slices of POLL_S
+        (longer past STORE_RATE / 8 ranks): after each, this rank's calls are posted to the store
+        and ranks 0 and 1's read, so that ranks whose n-th calls differ (one made a call alone)
+        learn it in seconds. Returns None when done, "" at the timeout, else how the calls differ.
+        A wait under POLL_S touches no store."""
         end = time.monotonic() + self.timeout.total_seconds()
-        while not done(min(POLL_S, max(end - time.monotonic(), 0.01))):
+        # a comparison asks the store up to 4 times (a post, two checks, a read): half of the pace
+        every = max(POLL_S, 8 * self.pace())
+        while not done(min(every, max(end - time.monotonic(), 0.01))):
             if time.monotonic() >= end:
                 return ""
             differ = self.compare()
@@ -470,13 +481,16 @@ class Comm:
         if self.store is None or not (what in RARE or check or self.check_calls):
             return
         key = f"{self.prefix}/call{n}"
-        ready = functools.partial(self.store.check, [f"{key}/all"])
+        # polled from 1 ms on, doubling to twice the pace (the other half is until's comparisons)
+        ready = _Poll(functools.partial(self.store.check, [f"{key}/all"]), 1e-3, 2 * self.pace())
         try:
             if self.store.add(f"{key}/{what}", 1) == self.world:
                 self.store.set(f"{key}/all", what)
-            why = self.until(functools.partial(_poll, ready, pause=1e-3, most=0.05))
+                self.forget()               # every rank is past the call checked before
+            why = self.until(ready)
         except Exception:                   # the store gone: its host rank died
             why = ""
+        self.checked = [f"{key}/{what}", f"{key}/all"]
         if why:
             raise RuntimeError(f"zero: {what}() #{n}: the ranks made other calls ({why}); "
                                f"{EVERY_RANK}")
@@ -492,12 +506,20 @@ class Comm:
             self.store.set(f"{self.prefix}/last/{self.rank}", value)
             self.posted = n
 
-    def read(self, r):
-        # what rank r posted, or None
-        key = f"{self.prefix}/last/{r}"
-        if self.store.check([key]):
-            return json.loads(self.store.get(key))
-        return None
+    def forget(self):
+        # the keys of the call this rank checked last, once every rank counted in at a later one (so
+        # all have read them); a store that cannot delete keeps them
+        for key in self.checked:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(key)
+        self.checked = []
+
+    def read(self, ranks):
+        # what each of `ranks` posted, of those that did: a check per key, then one read of them all
+        keys = {r: f"{self.prefix}/last/{r}" for r in ranks}
+        there = [r for r, key in keys.items() if self.store.check([key])]
+        values = _multi_get(self.store, [keys[r] for r in there])
+        return {r: json.loads(v) for r, v in zip(there, values)}
 
     def compare(self):
         # this rank's calls against those ranks 0 and 1 posted (a call made alone waits for, or
@@ -507,8 +529,7 @@ class Comm:
         with contextlib.suppress(Exception):    # the store gone: its host rank died
             self.post()
             mine = dict(self.log)
-            for r in {0, 1} - {self.rank}:
-                calls, log = self.read(r) or ({}, [])
+            for r, (calls, log) in self.read({0, 1} - {self.rank}).items():
                 for n, what in log:
                     if n in mine and mine[n] != what:
                         more = _more_calls({self.rank: self.calls, r: calls})
@@ -518,20 +539,26 @@ class Comm:
         return None
 
     def report(self):
-        # what each rank called: this rank's counts and last calls posted, the others' read
+        # what each rank called: this rank's counts and last calls posted; rank 0 reads every rank's,
+        # the others ranks 0 and 1's (N ranks each reading N keys would ask the store N^2 times)
         if self.store is None:
             return f"rank {self.rank} called " + ", ".join(f"{w}() #{n}" for n, w in self.log)
+        want = {0, 1, self.rank}
+        readers = self.world                # the ranks that may be reading keys like these at once
+        if self.rank == 0:
+            want = set(range(self.world))
+            readers = 1
+        # a round reads what is missing; rank 0 alone, and the others together, at most STORE_RATE
+        # keys a second
+        pause = max(0.05, len(want) * readers / STORE_RATE)
         seen = {}                           # rank -> what it posted
         deadline = time.monotonic() + min(3.0, self.timeout.total_seconds() / 2)
         with contextlib.suppress(Exception):    # the store gone (its host rank died): what was read
             self.post()
-            while len(seen) < self.world and time.monotonic() < deadline:
-                for r in set(range(self.world)) - set(seen):
-                    posted = self.read(r)
-                    if posted is not None:
-                        seen[r] = posted
-                if len(seen) < self.world:
-                    time.sleep(0.05)
+            while len(seen) < len(want) and time.monotonic() < deadline:
+                seen.update(self.read(want - set(seen)))
+                if len(seen) < len(want):
+                    time.sleep(pause)
         logs = {r: [f"{w}() #{n}" for n, w in log] for r, (_, log) in seen.items()}
         last = "; ".join(f"rank {r}: {log[-1]} (after {', '.join(log[-3:-1]) or 'nothing'})"
                          for r, log in sorted(logs.items())[:8] if log)
@@ -557,16 +584,40 @@ def _work_done(work, seconds):
         return False
 
 
-def _poll(ready, seconds, pause=1e-4, most=1e-4):
-    # ready() within `seconds`, polled, pausing from `pause` doubling to `most`: a CUDA event never
-    # reached cannot hang the CPU; the store's own timed wait logs a warning at each timeout
-    end = time.monotonic() + seconds
-    while not ready():
-        if time.monotonic() > end:
-            return False
-        time.sleep(pause)
-        pause = min(2 * pause, most)
-    return True
+class _Poll:
+    """ready() polled, as until() calls it: each call waits up to `seconds` for it, the pause between
+    checks doubling from `pause` to `most` over the whole wait, not from `pause` again at each call.
+    A CUDA event never reached cannot hang the CPU; the store's own timed wait logs a warning at each
+    timeout."""
+
+    def __init__(self, ready, pause, most):
+        self.ready = ready                  # the check: True once done
+        self.pause = pause                  # the next pause ...
+        self.most = most                    # ... doubling up to this
+        self.due = 0.0                      # when the next check is due (time.monotonic)
+
+    def __call__(self, seconds):
+        end = time.monotonic() + seconds
+        while True:
+            now = time.monotonic()
+            if now >= self.due:
+                if self.ready():
+                    return True
+                self.due = now + self.pause
+                self.pause = min(2 * self.pause, self.most)
+            if self.due > end:              # the next check falls in the next call
+                time.sleep(max(0.0, end - now))
+                return False
+            time.sleep(self.due - now)
+
+
+def _multi_get(store, keys):
+    # the values of keys that exist, in one request where the store has multi_get (newer torch)
+    if not keys:
+        return []
+    if hasattr(store, "multi_get"):
+        return store.multi_get(keys)
+    return [store.get(k) for k in keys]
 
 
 def _more_calls(counts):

@@ -1828,6 +1828,21 @@ def _bad_load(rank, world, ckpt, d):
     return "loaded"
 
 
+def _checked_load(rank, world, ckpt):
+    # a load on this world size: its error, the tensors it checked (dtype, elements), what it loaded
+    real, checked = zero._crc, []
+    zero._crc = lambda t: checked.append((str(t.dtype), t.numel())) or real(t)
+    try:
+        engine = zero.Zero(make_model(d=14, share=True), zero.Config(stage=0, dtype="fp32"))
+        try:
+            zero.load(engine, ckpt)
+        except ValueError as e:
+            return str(e), checked, None
+        return None, checked, engine.full_state_dict()
+    finally:
+        zero._crc = real
+
+
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     ckpt = str(tmp_path / "ck")
     spawn(_consolidate_case, 2, ckpt)
@@ -1841,6 +1856,16 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     msgs["truncated"] = spawn(_bad_load, 2, ckpt, 14)
     open(r1, "wb").write(blob[:500] + bytes([blob[500] ^ 1]) + blob[501:])
     msgs["corrupt"] = spawn(_bad_load, 2, ckpt, 14)
+    # a load checks each tensor it reads, not whole files: a byte changed inside a tensor a load on 1 rank reads
+    # (rank 1's slice of the first buffer) is an error naming the file; one inside a tensor it does not read
+    # (rank 1's RNG state: another world size) is never read
+    saved = torch.load(io.BytesIO(blob), weights_only=True)
+    for case, t in (("read", saved["flats"][0]["master"]), ("unread", saved["rng"])):
+        at = blob.find(t.reshape(-1).view(torch.uint8).numpy().tobytes()) + t.nbytes // 2
+        assert at > t.nbytes // 2, case
+        open(r1, "wb").write(blob[:at] + bytes([blob[at] ^ 1]) + blob[at + 1:])
+        msgs[case] = spawn(_checked_load, 1, ckpt)[0]
+    whole = zero.consolidate(ckpt)
     os.remove(r1)
     msgs["missing"] = spawn(_bad_load, 1, ckpt, 14)
     assert all("another model" in m and "shapes differ" in m for m in msgs["model"]), msgs["model"]
@@ -1849,6 +1874,11 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
         assert all("truncated or corrupted" in m or "another rank could not load" in m for m in msgs[k]), msgs[k]
         assert any("rank_00001.pt is truncated or corrupted" in m for m in msgs[k])
     assert "lacks rank_00001.pt" in msgs["missing"][0]
+    error, checked, _ = msgs["read"]
+    assert error and "rank_00001.pt is truncated or corrupted (the CRC-32 of ('flats', 0, 'master')" in error, error
+    error, checked, loaded = msgs["unread"]
+    assert error is None and ("torch.uint8", saved["rng"].numel()) not in checked, (error, checked)
+    assert len(checked) >= 10 and all(torch.equal(v, loaded[k]) for k, v in whole.items())
     assert open(os.path.join(ckpt, "latest")).read().startswith("step_")   # nothing was overwritten
 
 
@@ -2536,10 +2566,10 @@ def _stall_cases(rank, world, cases, root):
             engine.step()
             stall("in save")
             if where == "in save":
-                real = zero._sha256
-                zero._sha256 = lambda p: (_stalled(raised) if rank == 1 else None, real(p))[1]
+                real = zero._write_atomic   # rank 1 stalls writing its file
+                zero._write_atomic = lambda p, w: (_stalled(raised) if rank == 1 else None, real(p, w))[1]
                 zero.save(engine, os.path.join(root, f"ck_{j}"))
-                zero._sha256 = real
+                zero._write_atomic = real
             out.append(None)
         except RuntimeError as e:
             out.append((time.monotonic() - t, str(e).splitlines()[0][:200]))

@@ -2896,12 +2896,14 @@ def _aliases(model):
 # path/latest            the newest complete checkpoint's name, replaced atomically, last
 # path/step_00001000/    meta.json (layout, config, step, scaler, param groups, checksums), written
 #                        after every rank's rank_00000.pt ... (its RNG; for one copy of the shards,
-#                        its slice of every Flat.state, unpadded; rank 0: buffers and `extra`)
+#                        its slice of every Flat.state, unpadded; rank 0: buffers and `extra`; what
+#                        it holds, each tensor's CRC-32, which a load checks where it reads)
 # Each file is written under a temporary name, then renamed: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loads slice the layout: any world size and stage loads it.
 
-FORMAT = "zero.py-checkpoint-4"             # 4: each buffer's update rule, in meta.json
-READS = (FORMAT, "zero.py-checkpoint-3", "zero.py-checkpoint-2")   # 3: AdamW; 2: no alignment
+FORMAT = "zero.py-checkpoint-5"             # 5: each rank file's tensors' checksums, inside it
+OLD = ("zero.py-checkpoint-4", "zero.py-checkpoint-3", "zero.py-checkpoint-2")   # checked whole at load
+READS = (FORMAT, *OLD)                      # 4: each buffer's update rule; 3: AdamW; 2: no alignment
 
 
 def _write_atomic(path, write):
@@ -2915,12 +2917,58 @@ def _write_atomic(path, write):
 
 
 def _sha256(path):
-    # block by block: a rank file need not fit in memory
+    # block by block: a rank file need not fit in memory (format 2-4's check at load)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
+
+
+class _Hashing:
+    """A file that hashes what torch.save writes to it, as it writes: a save never reads a file back."""
+
+    def __init__(self, f, digest):
+        self.f = f                          # the file written
+        self.digest = digest                # hashlib's, given every byte written
+
+    def write(self, data):
+        self.digest.update(data)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+def _leaves(x, path=()):
+    # (path, value) of each leaf of nested dicts, lists and tuples, in their order
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, x
+
+
+def _crc(t):
+    # CRC-32 of a tensor's elements as bytes, in order (3 GB/s here; sha256 1.8); `extra`'s may be on a GPU
+    return zlib.crc32(t.detach().reshape(-1).view(torch.uint8).cpu().numpy())
+
+
+def _contents(blob, crc):
+    # what a rank file holds, leaf by leaf (its path's repr): a tensor's dtype, shape and (crc) its
+    # CRC-32, any other value's repr
+    out = {}
+    for path, x in _leaves(blob):
+        key = repr(path)
+        out[key] = repr(x)
+        if isinstance(x, torch.Tensor):
+            out[key] = [str(x.dtype), list(x.shape)]
+        if isinstance(x, torch.Tensor) and crc:
+            out[key].append(_crc(x))
+    return out
 
 
 def save(engine, path, extra=None):
@@ -2958,8 +3006,12 @@ def save(engine, path, extra=None):
         blob["buffers"] = {k: v.detach().cpu() for k, v in _model_state(engine.module).items()
                            if id(v) not in engine.owned}
     fname = os.path.join(d, f"rank_{net.rank:05d}.pt")
-    _write_atomic(fname, lambda f: torch.save(blob, f))
-    sums = net.all_gather_object(_sha256(fname))
+    # a load checks what it reads against this list, not whole files; the file's sha256 is taken as
+    # it is written, for meta.json
+    blob["sums"] = json.dumps(_contents(blob, crc=True))
+    digest = hashlib.sha256()               # of the file, as torch.save writes it
+    _write_atomic(fname, lambda f: torch.save(blob, _Hashing(f, digest)))
+    sums = net.all_gather_object(digest.hexdigest())
     if net.rank == 0:
         cfg = engine.cfg
         aliases = _aliases(engine.module)
@@ -3005,7 +3057,8 @@ def _delete_old(path, newest, net):
 
 class _Files:
     """A checkpoint (its directory, or its parent's `latest`): its meta, its rank files opened once,
-    memory-mapped; this rank checks the checksums of files check[0], check[0] + check[1] ..."""
+    memory-mapped. Each tensor is checked against its file's checksums the first time get() reads it;
+    older formats' files check[0], check[0] + check[1] ... are checked whole when opened."""
 
     def __init__(self, path, check):
         if os.path.isfile(os.path.join(path, "latest")):
@@ -3024,6 +3077,8 @@ class _Files:
                              "checkpoint") from e
         self.d = path                       # the checkpoint's directory
         self.open = {}                      # rank -> its file's contents, loaded memory-mapped
+        self.sums = {}                      # rank -> its file's tensors' checksums, by path
+        self.checked = set()                # (rank, path) of each tensor checked
         world = self.meta["world_size"]     # of the save
         for r in range(check[0], world, check[1]):
             name = f"rank_{r:05d}.pt"
@@ -3031,7 +3086,7 @@ class _Files:
             if not os.path.isfile(fname):
                 raise FileNotFoundError(f"zero: checkpoint {path} lacks {name} (saved by {world} "
                                         "ranks): copy all its files, or use another")
-            if _sha256(fname) != self.meta["sha256"][name]:
+            if self.meta["format"] in OLD and _sha256(fname) != self.meta["sha256"][name]:
                 raise ValueError(f"zero: {fname} is truncated or corrupted (its sha256 does not "
                                  "match meta.json); use an earlier checkpoint")
         # name -> (flat, offset, shard size at save time, shape) in the saved layout (format 2 has
@@ -3045,10 +3100,49 @@ class _Files:
                 self.rules[p["name"]] = None if f["frozen"] else f.get("update", "adamw")
 
     def __call__(self, r):                  # weights_only: a checkpoint is data, never code
-        if r not in self.open:
-            self.open[r] = torch.load(os.path.join(self.d, f"rank_{r:05d}.pt"), map_location="cpu",
-                                      weights_only=True, mmap=True)
-        return self.open[r]
+        if r in self.open:
+            return self.open[r]
+        fname = os.path.join(self.d, f"rank_{r:05d}.pt")
+        bad = f"zero: {fname} is truncated or corrupted"
+        crcs = {}                           # format 5: path -> CRC-32, of each tensor
+        try:
+            blob = torch.load(fname, map_location="cpu", weights_only=True, mmap=True)
+            listed = {}                     # format 5: what the save listed, each tensor's CRC-32 apart
+            if self.meta["format"] not in OLD:
+                listed = json.loads(blob.pop("sums"))
+            for k, v in listed.items():
+                if isinstance(v, list):     # a tensor's dtype, shape and CRC-32
+                    crcs[k] = v.pop()
+        except Exception as e:              # cut short (no zip directory), bytes changed
+            raise ValueError(f"{bad} (reading it raised {type(e).__name__}); use an earlier "
+                             "checkpoint") from e
+        # what the file holds must be what the save listed (its tensors' bytes are checked as read)
+        if listed and _contents(blob, crc=False) != listed:
+            raise ValueError(f"{bad} (it holds other values than the save listed); use an earlier "
+                             "checkpoint")
+        if listed:
+            self.sums[r] = crcs
+        self.open[r] = blob
+        return blob
+
+    def get(self, r, *path):
+        # file r's value at `path` (keys, indices), each tensor in it checked against its checksum the
+        # first time a load reads it; None where there is no such key
+        x = self(r)
+        for k in path:
+            if isinstance(x, dict):
+                x = x.get(k)
+            else:
+                x = x[k]
+        for sub, t in _leaves(x, path):
+            key = repr(sub)
+            if r not in self.sums or not isinstance(t, torch.Tensor) or (r, key) in self.checked:
+                continue
+            if _crc(t) != self.sums[r][key]:
+                raise ValueError(f"zero: {self.d}/rank_{r:05d}.pt is truncated or corrupted (the "
+                                 f"CRC-32 of {key} differs from the save's); use an earlier checkpoint")
+            self.checked.add((r, key))
+        return x
 
     def read(self, name, start, n, key):
         # elements [start, start+n) of a saved parameter; element e of buffer i is in slice
@@ -3065,7 +3159,7 @@ class _Files:
         while a < end:
             r = a // size
             b = min(end, (r + 1) * size)
-            out.append(self(first + r)["flats"][i][key][a - r * size:b - r * size])
+            out.append(self.get(first + r, "flats", i, key)[a - r * size:b - r * size])
             a = b
         return torch.cat(out) if len(out) > 1 else out[0]
 
@@ -3094,9 +3188,13 @@ def load(engine, path):
                                      f"engine's with {x.rule.name}: give it the checkpoint's "
                                      "update rule, or load the weights alone with "
                                      "engine.load_state_dict(zero.consolidate(path))")
+        if f.meta["world_size"] == engine.world:   # read after the restore: checked before it
+            f.get(engine.rank, "rng")
+            f.get(engine.rank, "cuda_rng")
+        f.get(0, "extra")
         # by name: a parameter may sit in another unit, offset or shard than when saved
         return (lambda name, p, start, n, key: f.read(name, start, n, key),
-                {k: v for k, v in f(0)["buffers"].items() if k not in f.saved})
+                {k: v for k, v in f.get(0, "buffers").items() if k not in f.saved})
     _restore(engine, prepare, f"load {path}")
     meta = f.meta
     # the rules' step counts per parameter (AdamW's bias correction), by name like the values
@@ -3113,15 +3211,15 @@ def load(engine, path):
         warnings.warn(f"zero: the checkpoint has {len(meta['param_groups'])} param groups, the "
                       f"engine {len(groups)}: the engine's hyperparameters are kept")
     if meta["world_size"] == engine.world:  # the same ranks again: each goes on with its own stream
-        torch.set_rng_state(f(engine.rank)["rng"])
+        torch.set_rng_state(f.get(engine.rank, "rng"))
         if "cuda_rng" in f(engine.rank) and engine.device.type == "cuda":
-            torch.cuda.set_rng_state(f(engine.rank)["cuda_rng"], engine.device)
-    return dict(meta, extra=f(0).get("extra"))
+            torch.cuda.set_rng_state(f.get(engine.rank, "cuda_rng"), engine.device)
+    return dict(meta, extra=f.get(0, "extra"))
 
 
 def read_extra(path):
     """The script's `extra` of a checkpoint, read without an engine (to rebuild the model first)."""
-    return _Files(path, (0, 1 << 30))(0).get("extra")
+    return _Files(path, (0, 1 << 30)).get(0, "extra")
 
 
 def _restore(engine, prepare, what, filled=None):
@@ -3179,7 +3277,7 @@ def consolidate(path):
     """A sharded checkpoint as one plain fp32 state_dict that the unwrapped model loads; memory
     holds the result and the rank files' memory maps, nothing else."""
     f = _Files(path, (0, 1))
-    values = {k: v.to(_wide(v.dtype), copy=True) for k, v in f(0)["buffers"].items()}
+    values = {k: v.to(_wide(v.dtype), copy=True) for k, v in f.get(0, "buffers").items()}
     for p in (p for x in f.meta["flats"] for p in x["params"]):   # from its slices in the files
         t = f.read(p["name"], 0, math.prod(p["shape"]), "master")
         whole = t.to(_wide(t.dtype), copy=True).view(p["shape"])

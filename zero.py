@@ -282,6 +282,8 @@ class Comm:
     def __init__(self, cfg, group=None):
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)   # of each group made, each wait
         self.ledger = {}                    # kind -> (calls, elements, bytes) since the last step
+        self.apart = {}                     # the same, of the calls between steps (RARE) since then
+        self.between = False                # the calls counted now are a RARE call's
         self.trace = []                     # (kind, unit) of each launch and call since last step
         self.held = 0                       # bytes of parameter buffers allocated now ...
         self.peak = 0                       # ... and at most
@@ -348,16 +350,24 @@ class Comm:
         return groups
 
     def count(self, kind, elems, elem_size):
-        calls, e, b = self.ledger.get(kind, (0, 0, 0))
-        self.ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
+        ledger = self.ledger
+        if self.between:                    # a state dict's, a save's, a load's: not the step's
+            ledger = self.apart
+        calls, e, b = ledger.get(kind, (0, 0, 0))
+        ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
 
     def drop_groups(self):                  # at exit: the process groups are destroyed next
         self.groups = {}
 
     def new_step(self):
-        # what the step moved, by kind, as comm() reports it; the ledger and the trace start again
+        # what the step moved, by kind, as comm() reports it, and under "between_steps" what the calls
+        # between it and the step before moved; the ledgers and the trace start again
         moved = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.ledger.items()}
+        if self.apart:
+            moved["between_steps"] = {k: dict(calls=c, elements=e, bytes=b)
+                                      for k, (c, e, b) in self.apart.items()}
         self.ledger = {}
+        self.apart = {}
         self.trace = []
         return moved
 
@@ -475,6 +485,7 @@ class Comm:
         (`check`), and all with check_calls are first checked in the store (each rank counted in at
         key n): a collective made alone would pair with another one (gloo aborts, NCCL hangs)."""
         self.calls[what] += 1
+        self.between = what in RARE         # counted apart until the next training call
         n = sum(self.calls.values())
         self.log.append((n, what))
         self.trace.append((what, None))
@@ -2603,7 +2614,9 @@ class Zero:
         self.sched.new_step()
 
     def comm(self):
-        """What the last step moved, by kind: calls, elements and bytes."""
+        """What the last step moved, by kind: calls, elements and bytes; under "between_steps" (where
+        there were any), what the calls between it and the step before (full_state_dict,
+        load_state_dict, save, load) moved, by kind."""
         return self.last_comm
 
     @property

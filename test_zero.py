@@ -2465,9 +2465,37 @@ def test_host_update_uses_the_cores_it_may_run_on():
             zero._parallel(lambda *a: seen.add(__import__("threading").get_ident()), 64 * zero.MIN_PER_THREAD, ())
             used.append(len(seen))
         assert used == [cores, max(1, cores // 2)], (cores, used)
+        # a launcher that bound each rank to cores of its own (a mask narrower than the launcher's) divided
+        # them already; a container's cpuset narrows both, and its ranks share it. 2 local ranks, 16 cores:
+        # (this rank's mask, the launcher's or None where it cannot be read) -> threads
+        real = os.sched_getaffinity, os.cpu_count
+        for mine, launcher, want in ((8, 16, 8), (16, 16, 8), (8, 8, 4), (8, None, 8)):
+            def affinity(pid, mine=mine, launcher=launcher):
+                if pid != 0 and launcher is None:
+                    raise PermissionError(pid)
+                return set(range(mine if pid == 0 else launcher))
+            os.sched_getaffinity, os.cpu_count = affinity, lambda: 16
+            try:
+                got = zero._host_threads()
+            finally:
+                os.sched_getaffinity, os.cpu_count = real
+            assert got == want, (mine, launcher, got, want)
+        # the offload worker's torch ops (the update without the C kernel, Muon) take those threads; the caller
+        # keeps its count, and so does a thread started later (torch's default put back)
+        os.environ.pop("LOCAL_WORLD_SIZE")
+        worker = zero.HostWorker(torch.device("cpu"), 30)
+        try:
+            seen = worker.submit(torch.get_num_threads).result(timeout=30)
+        finally:
+            worker.close()
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert (seen, torch.get_num_threads(), later) == (zero._host_threads(), 1, [1]), (seen, later)
     finally:
         torch.set_num_threads(threads)
-        os.environ.pop("LOCAL_WORLD_SIZE")
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
         if env is not None:
             os.environ["LOCAL_WORLD_SIZE"] = env
 

@@ -4932,3 +4932,226 @@ def test_cuda_fused_adamw_one_call_per_buffer_and_group_on_aligned_views():
         assert all(calls == want >= 7 for calls, want in r["calls"]), (tag, r["calls"])
         assert r["views"][0] >= 4 * 11 and r["views"][1], (tag, r["views"])
         _check_parity(r, "bf16", ref, tag, init=init)
+
+
+# -----------------------------------------------------------------------------
+# issue 37 item 2: what grows with the number of ranks. Stage 0's gradient norm, the store while ranks arrive
+# apart, the step's host syncs on CUDA (and offload's threads, checkpoint checksums: in the tests above), the
+# ledger of calls between steps
+
+class CountingStore:
+    """A torch store that records each request, (time, method, first argument), and passes it on."""
+
+    def __init__(self, store):
+        self.store, self.log = store, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.store, name)      # (a method the store lacks: AttributeError, as the store's own)
+
+        def request(*args, **kw):
+            self.log.append((time.monotonic(), name, args[0] if args else None))
+            return fn(*args, **kw)
+        return request
+
+
+def _norm_counts(rank, world):
+    # torch.linalg.vector_norm's calls in each step() at stage 0 and stage 1 (whose rounding stage 0 keeps), and
+    # the norms
+    real, calls, out = torch.linalg.vector_norm, [0], {}
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return real(*args, **kw)
+    torch.linalg.vector_norm = counted
+    try:
+        for stage in (0, 1):
+            engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+            xs, ys = make_batches(STEPS, BATCH)
+            per, counts, norms = BATCH // world, [], []
+            for s in range(STEPS):
+                sl = slice(rank * per, (rank + 1) * per)
+                engine.backward(engine(xs[s, sl], ys[s, sl])["loss"])
+                calls[0] = 0
+                engine.step()
+                counts.append(calls[0])
+                norms.append(engine.grad_norm)
+            out[stage] = dict(counts=counts, norms=norms, flats=sum(len(u.trains) for u in engine.units))
+    finally:
+        torch.linalg.vector_norm = real
+    return out
+
+
+SKEW_S = 2.5    # how late the last rank comes to a full_state_dict
+
+
+def _store_skew(rank, world, rate):
+    """The last rank comes SKEW_S late to a full_state_dict (a call checked in the store), with STORE_RATE at
+    `rate`: every rank's store requests during that call, then at a second one on time (which deletes the first
+    one's keys), then in a report() of every rank."""
+    real_rate, zero.STORE_RATE = zero.STORE_RATE, rate
+    try:
+        engine = zero.Zero(make_model(), zero.Config(stage=2, dtype="fp32", lr=LR))
+        xs, ys = make_batches(1, 2 * world)
+        engine.backward(engine(xs[0, 2 * rank:2 * rank + 2], ys[0, 2 * rank:2 * rank + 2])["loss"])
+        engine.step()
+        net = engine.net
+        store, counted = net.store, CountingStore(net.store)
+        net.store = counted
+        dist.barrier()
+        if rank == world - 1:
+            time.sleep(SKEW_S)
+        t = time.monotonic()
+        engine.full_state_dict()
+        took = time.monotonic() - t
+        wait = [(at - t, name) for at, name, _ in counted.log]
+        first = net.log[-1][0]              # the call's number n: its keys are call{n}/...
+        engine.full_state_dict()
+        second = net.log[-1][0]
+        keys = {n: [store.check([f"{net.prefix}/call{n}/{k}"]) for k in ("all", "full_state_dict")]
+                for n in (first, second)}
+        net.post()                          # every rank's calls posted, then each one's report() counted
+        dist.barrier()
+        counted.log.clear()
+        net.report()
+        read = {int(key.rsplit("/", 1)[1]) for _, name, arg in counted.log if name == "check" for key in arg}
+        return dict(took=took, wait=wait, keys=keys, read=sorted(read), pace=net.pace())
+    finally:
+        zero.STORE_RATE = real_rate
+
+
+def _between_steps(rank, world, root):
+    # comm() after each of two steps, with and without a full_state_dict, a save and a load between them
+    out = {}
+    xs, ys = make_batches(2, BATCH)
+    per = BATCH // world
+    for stage in range(4):
+        comms = []
+        for between in (False, True):
+            engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+            for s in range(2):
+                if between and s == 1:
+                    engine.full_state_dict()
+                    zero.save(engine, os.path.join(root, f"between_{stage}"))
+                    zero.load(engine, os.path.join(root, f"between_{stage}"))
+                    comms.append(engine.comm())     # still the last step's
+                engine.backward(engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"])
+                engine.step()
+                comms.append(engine.comm())
+        out[stage] = comms                  # plain: step 1, step 2; between: step 1, after the calls, step 2
+    return out
+
+
+def _ranks_items(rank, world, root):
+    out = dict(norms=_norm_counts(rank, world), store=_store_skew(rank, world, 2000 if world == 2 else 20))
+    if world == 2:
+        out["between"] = _between_steps(rank, world, root)
+    return out
+
+
+RANKS_DIR = os.path.join(tempfile.gettempdir(), f"zero_test_ranks37_{os.getpid()}")
+
+
+def ranks_items(world):
+    return _spawn_once(_ranks_items, world, RANKS_DIR)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage0_norm_kernels_per_step_are_the_same_at_2_and_4_ranks_and_the_norms_are_torchs(world):
+    ref = reference(STEPS, BATCH, zero.Config(lr=LR))[1]
+    for rank, r in enumerate(ranks_items(world)):
+        r = r["norms"]
+        # one norm per trained flat buffer and step, on every rank, whatever the number of ranks
+        assert all(r[s]["counts"] == [r[s]["flats"]] * STEPS for s in (0, 1)), (rank, r[0]["counts"], r[1]["counts"])
+        assert r[0]["norms"] == r[1]["norms"], (rank, r[0]["norms"], r[1]["norms"])     # stage 1's rounding
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r[0]["norms"], ref)), (rank, r[0]["norms"], ref)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_store_requests_while_ranks_arrive_apart_stay_within_the_rate_at_any_world_size(world, capsys):
+    res = [r["store"] for r in ranks_items(world)]
+    rate = 2000 if world == 2 else 20
+    pace = max(0.05, world / rate)
+    most = 2 * pace                         # the poll's longest pause; 1 ms at first, doubling
+    ramp = math.ceil(math.log2(most / 1e-3)) + 1    # the polls before it: each wait's start
+    per_pace = []
+    for rank, r in enumerate(res[:-1]):     # the ranks that waited for the late one
+        assert r["pace"] == pace and r["took"] > SKEW_S - 0.5, (rank, r["took"])
+        # at most one request a pace on average, past the ramp and the add that counts the rank in
+        assert len(r["wait"]) <= 1 + ramp + r["took"] / pace, (rank, len(r["wait"]), r["took"], pace)
+        steady = [at for at, _ in r["wait"] if at > 2 * most]
+        per_pace.append(len(steady) / (r["took"] - 2 * most) * pace)
+    late = res[-1]
+    assert len(late["wait"]) <= 2 + 1 + ramp, late["wait"]    # counted in last: add, set, one check
+    # the first call's keys deleted once every rank counted in at the second; the second's kept till the next
+    assert all(r["keys"] == res[0]["keys"] for r in res) and list(res[0]["keys"].values()) == [[False] * 2, [True] * 2]
+    # report(): rank 0 reads every rank's posted calls, the others ranks 0 and 1's and their own
+    assert res[0]["read"] == list(range(world)) and all(r["read"] == sorted({0, 1, i}) for i, r in enumerate(res) if i)
+    # N ranks waiting make (N / pace) x (requests a pace) a second: at 4,096 ranks, STORE_RATE x that
+    mean = sum(per_pace) / len(per_pace)
+    with capsys.disabled():
+        print(f"\n{world} ranks, STORE_RATE={rate}: {mean / pace:.1f} requests/s per waiting rank past the ramp "
+              f"({mean:.2f} a pace of {pace:.2f} s); at 4,096 ranks, STORE_RATE=2000: {mean / (4096 / 2000):.2f}/s "
+              f"per rank, {4096 * mean / (4096 / 2000):.0f}/s together")
+
+
+def test_comm_is_the_last_steps_and_calls_between_steps_have_their_own_entry():
+    for rank, r in enumerate(ranks_items(2)):
+        for stage, (plain1, plain2, step1, after, step2) in r["between"].items():
+            tag = (rank, stage)
+            assert "between_steps" not in plain1 and plain1 == step1 == after, tag
+            apart = step2.get("between_steps", {})
+            step2 = {k: v for k, v in step2.items() if k != "between_steps"}
+            assert step2 == plain2 and "between_steps" not in plain2, (tag, step2, plain2)
+            # the load's agreement, and at stages 1-3 the state dict's gathers, under their own kinds
+            assert apart["scalar"]["calls"] == 1 and ("state_dict" in apart) == (stage > 0), (tag, apart)
+
+
+def test_the_step_sends_its_host_values_in_one_tensor_and_one_copy():
+    # the fingerprint, its squares and the flags in one host tensor, one _to_device per step (on CUDA: pinned,
+    # non-blocking); the norm is not among them (a device scalar, concatenated on the device)
+    real, sent = zero._to_device, []
+    zero._to_device = lambda host, device: sent.append(host.clone()) or real(host, device)
+    try:
+        ref = reference(1, 2, zero.Config(lr=LR))[1][0]
+        for stage in range(4):
+            engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+            x, y = make_batches(1, 2)
+            engine.backward(engine(x[0], y[0])["loss"])
+            sent.clear()
+            engine.step()
+            flags = len(engine.units) + sum(len(f.params) for u in engine.trained for f in u.trains)
+            assert len(sent) == 1 and sent[0].numel() == 8 + flags and sent[0].dtype == torch.float64, (stage, sent)
+            assert torch.equal(sent[0][4:8], sent[0][:4] ** 2) and torch.equal(sent[0], sent[0].round()), stage
+            assert sent[0][8 + len(engine.units):].eq(1).all(), stage   # every parameter had a gradient
+            assert abs(engine.grad_norm - ref) <= 1e-5 * ref, (stage, engine.grad_norm, ref)
+    finally:
+        zero._to_device = real
+
+
+def _cuda_sync_cases(rank, world):
+    out = {}
+    for stage in range(4):
+        engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="bf16", lr=LR))
+        xs, ys = make_batches(3, BATCH)
+        xs, ys = xs.to(engine.device), ys.to(engine.device)
+        for s in range(3):                  # the third step counted: the first learns the order
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn" if s == 2 else "default")
+                try:
+                    engine.backward(engine(xs[s], ys[s])["loss"])
+                    before = len(said)
+                    engine.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in said if "synchroniz" in str(w.message)]
+        out[stage] = dict(forward_backward=sum("synchroniz" in str(w.message) for w in said[:before]),
+                          step=sum("synchroniz" in str(w.message) for w in said[before:]), said=syncs[:4])
+    return out
+
+
+@CUDA
+def test_cuda_one_host_sync_per_step():
+    # the step's one: the read of the agreed sums after its polled wait (no pageable copy of the flags beside it)
+    for stage, r in spawn(_cuda_sync_cases, 1, method="spawn")[0].items():
+        assert r["forward_backward"] == 0 and r["step"] == 1, (stage, r)

@@ -297,7 +297,7 @@ def report_comm(res, psi, world):
         stage, item = stage_of(name), torch.finfo(getattr(torch, {"bf16": "bfloat16"}.get(dtype, "float32"))).bits // 8
         k = 3 if stage == 3 else 2
         want = k * psi * (world - 1) / world * item
-        got = sum(v["bytes"] for kind, v in c.items() if kind not in ("d2h", "h2d"))
+        got = sum(v["bytes"] for kind, v in c.items() if kind not in ("d2h", "h2d", "between_steps"))
         host = [c.get(kind, {}).get("bytes", 0) / MB for kind in ("d2h", "h2d")]
         rows.append([name, dtype] + [f"{c.get(kind, {}).get('bytes', 0) / MB:.3f} ({c.get(kind, {}).get('calls', 0)})"
                                      for kind in ("all_reduce", "reduce_scatter", "all_gather", "scalar")]

@@ -1829,6 +1829,21 @@ def _bad_load(rank, world, ckpt, d):
     return "loaded"
 
 
+def _checked_load(rank, world, ckpt):
+    # a load on this world size: its error, the tensors it checked (dtype, elements), what it loaded
+    real, checked = zero._crc, []
+    zero._crc = lambda t: checked.append((str(t.dtype), t.numel())) or real(t)
+    try:
+        engine = zero.Zero(make_model(d=14, share=True), zero.Config(stage=0, dtype="fp32"))
+        try:
+            zero.load(engine, ckpt)
+        except ValueError as e:
+            return str(e), checked, None
+        return None, checked, engine.full_state_dict()
+    finally:
+        zero._crc = real
+
+
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     ckpt = str(tmp_path / "ck")
     spawn(_consolidate_case, 2, ckpt)
@@ -1842,6 +1857,16 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     msgs["truncated"] = spawn(_bad_load, 2, ckpt, 14)
     open(r1, "wb").write(blob[:500] + bytes([blob[500] ^ 1]) + blob[501:])
     msgs["corrupt"] = spawn(_bad_load, 2, ckpt, 14)
+    # a load checks each tensor it reads, not whole files: a byte changed inside a tensor a load on 1 rank reads
+    # (rank 1's slice of the first buffer) is an error naming the file; one inside a tensor it does not read
+    # (rank 1's RNG state: another world size) is never read
+    saved = torch.load(io.BytesIO(blob), weights_only=True)
+    for case, t in (("read", saved["flats"][0]["master"]), ("unread", saved["rng"])):
+        at = blob.find(t.reshape(-1).view(torch.uint8).numpy().tobytes()) + t.nbytes // 2
+        assert at > t.nbytes // 2, case
+        open(r1, "wb").write(blob[:at] + bytes([blob[at] ^ 1]) + blob[at + 1:])
+        msgs[case] = spawn(_checked_load, 1, ckpt)[0]
+    whole = zero.consolidate(ckpt)
     os.remove(r1)
     msgs["missing"] = spawn(_bad_load, 1, ckpt, 14)
     assert all("another model" in m and "shapes differ" in m for m in msgs["model"]), msgs["model"]
@@ -1850,6 +1875,11 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
         assert all("truncated or corrupted" in m or "another rank could not load" in m for m in msgs[k]), msgs[k]
         assert any("rank_00001.pt is truncated or corrupted" in m for m in msgs[k])
     assert "lacks rank_00001.pt" in msgs["missing"][0]
+    error, checked, _ = msgs["read"]
+    assert error and "rank_00001.pt is truncated or corrupted (the CRC-32 of ('flats', 0, 'master')" in error, error
+    error, checked, loaded = msgs["unread"]
+    assert error is None and ("torch.uint8", saved["rng"].numel()) not in checked, (error, checked)
+    assert len(checked) >= 10 and all(torch.equal(v, loaded[k]) for k, v in whole.items())
     assert open(os.path.join(ckpt, "latest")).read().startswith("step_")   # nothing was overwritten
 
 
@@ -2445,9 +2475,37 @@ def test_host_update_uses_the_cores_it_may_run_on():
             zero._parallel(lambda *a: seen.add(__import__("threading").get_ident()), 64 * zero.MIN_PER_THREAD, ())
             used.append(len(seen))
         assert used == [cores, max(1, cores // 2)], (cores, used)
+        # a launcher that bound each rank to cores of its own (a mask narrower than the launcher's) divided
+        # them already; a container's cpuset narrows both, and its ranks share it. 2 local ranks, 16 cores:
+        # (this rank's mask, the launcher's or None where it cannot be read) -> threads
+        real = os.sched_getaffinity, os.cpu_count
+        for mine, launcher, want in ((8, 16, 8), (16, 16, 8), (8, 8, 4), (8, None, 8)):
+            def affinity(pid, mine=mine, launcher=launcher):
+                if pid != 0 and launcher is None:
+                    raise PermissionError(pid)
+                return set(range(mine if pid == 0 else launcher))
+            os.sched_getaffinity, os.cpu_count = affinity, lambda: 16
+            try:
+                got = zero._host_threads()
+            finally:
+                os.sched_getaffinity, os.cpu_count = real
+            assert got == want, (mine, launcher, got, want)
+        # the offload worker's torch ops (the update without the C kernel, Muon) take those threads; the caller
+        # keeps its count, and so does a thread started later (torch's default put back)
+        os.environ.pop("LOCAL_WORLD_SIZE")
+        worker = zero.HostWorker(torch.device("cpu"), 30)
+        try:
+            seen = worker.submit(torch.get_num_threads).result(timeout=30)
+        finally:
+            worker.close()
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert (seen, torch.get_num_threads(), later) == (zero._host_threads(), 1, [1]), (seen, later)
     finally:
         torch.set_num_threads(threads)
-        os.environ.pop("LOCAL_WORLD_SIZE")
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
         if env is not None:
             os.environ["LOCAL_WORLD_SIZE"] = env
 
@@ -2546,10 +2604,10 @@ def _stall_cases(rank, world, cases, root):
             engine.step()
             stall("in save")
             if where == "in save":
-                real = zero._sha256
-                zero._sha256 = lambda p: (_stalled(raised) if rank == 1 else None, real(p))[1]
+                real = zero._write_atomic   # rank 1 stalls writing its file
+                zero._write_atomic = lambda p, w: (_stalled(raised) if rank == 1 else None, real(p, w))[1]
                 zero.save(engine, os.path.join(root, f"ck_{j}"))
-                zero._sha256 = real
+                zero._write_atomic = real
             out.append(None)
         except RuntimeError as e:
             out.append((time.monotonic() - t, str(e).splitlines()[0][:200]))
@@ -5185,3 +5243,227 @@ def test_bench_gpu_section_on_cpu():
     assert set(largest["torch"][1].values()) == {None, "out of memory"}     # in the forward, caught
     assert "out of memory" in largest["zero3"][1].values()                  # a RuntimeError in the backward too
     assert any(str(why).startswith("host:") for why in largest["zero3+off"][1].values())
+
+# issue 37 item 2: what grows with the number of ranks. Stage 0's gradient norm, the store while ranks arrive
+# apart, the step's host syncs on CUDA (and offload's threads, checkpoint checksums: in the tests above), the
+# ledger of calls between steps
+
+class CountingStore:
+    """A torch store that records each request, (time, method, first argument), and passes it on."""
+
+    def __init__(self, store):
+        self.store, self.log = store, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.store, name)      # (a method the store lacks: AttributeError, as the store's own)
+
+        def request(*args, **kw):
+            self.log.append((time.monotonic(), name, args[0] if args else None))
+            return fn(*args, **kw)
+        return request
+
+
+def _norm_counts(rank, world):
+    # torch.linalg.vector_norm's calls in each step() at stage 0 and stage 1 (whose rounding stage 0 keeps), and
+    # the norms
+    real, calls, out = torch.linalg.vector_norm, [0], {}
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return real(*args, **kw)
+    torch.linalg.vector_norm = counted
+    try:
+        for stage in (0, 1):
+            engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+            xs, ys = make_batches(STEPS, BATCH)
+            per, counts, norms = BATCH // world, [], []
+            for s in range(STEPS):
+                sl = slice(rank * per, (rank + 1) * per)
+                engine.backward(engine(xs[s, sl], ys[s, sl])["loss"])
+                calls[0] = 0
+                engine.step()
+                counts.append(calls[0])
+                norms.append(engine.grad_norm)
+            out[stage] = dict(counts=counts, norms=norms, flats=sum(len(u.trains) for u in engine.units))
+    finally:
+        torch.linalg.vector_norm = real
+    return out
+
+
+SKEW_S = 2.5    # how late the last rank comes to a full_state_dict
+
+
+def _store_skew(rank, world, rate):
+    """The last rank comes SKEW_S late to a full_state_dict (a call checked in the store), with STORE_RATE at
+    `rate`: every rank's store requests during that call, then at a second one on time (which deletes the first
+    one's keys), then in a report() of every rank."""
+    real_rate, zero.STORE_RATE = zero.STORE_RATE, rate
+    try:
+        engine = zero.Zero(make_model(), zero.Config(stage=2, dtype="fp32", lr=LR))
+        xs, ys = make_batches(1, 2 * world)
+        engine.backward(engine(xs[0, 2 * rank:2 * rank + 2], ys[0, 2 * rank:2 * rank + 2])["loss"])
+        engine.step()
+        net = engine.net
+        store, counted = net.store, CountingStore(net.store)
+        net.store = counted
+        dist.barrier()
+        if rank == world - 1:
+            time.sleep(SKEW_S)
+        t = time.monotonic()
+        engine.full_state_dict()
+        took = time.monotonic() - t
+        wait = [(at - t, name) for at, name, _ in counted.log]
+        first = net.log[-1][0]              # the call's number n: its keys are call{n}/...
+        engine.full_state_dict()
+        second = net.log[-1][0]
+        keys = {n: [store.check([f"{net.prefix}/call{n}/{k}"]) for k in ("all", "full_state_dict")]
+                for n in (first, second)}
+        net.post()                          # every rank's calls posted, then each one's report() counted
+        dist.barrier()
+        counted.log.clear()
+        net.report()
+        read = {int(key.rsplit("/", 1)[1]) for _, name, arg in counted.log if name == "check" for key in arg}
+        return dict(took=took, wait=wait, keys=keys, read=sorted(read), pace=net.pace())
+    finally:
+        zero.STORE_RATE = real_rate
+
+
+def _between_steps(rank, world, root):
+    # comm() after each of two steps, with and without a full_state_dict, a save and a load between them
+    out = {}
+    xs, ys = make_batches(2, BATCH)
+    per = BATCH // world
+    for stage in range(4):
+        comms = []
+        for between in (False, True):
+            engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+            for s in range(2):
+                if between and s == 1:
+                    engine.full_state_dict()
+                    zero.save(engine, os.path.join(root, f"between_{stage}"))
+                    zero.load(engine, os.path.join(root, f"between_{stage}"))
+                    comms.append(engine.comm())     # still the last step's
+                engine.backward(engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"])
+                engine.step()
+                comms.append(engine.comm())
+        out[stage] = comms                  # plain: step 1, step 2; between: step 1, after the calls, step 2
+    dist.barrier()                          # both ranks done with the checkpoints: rank 0 removes them
+    if rank == 0:
+        __import__("shutil").rmtree(root, ignore_errors=True)
+    return out
+
+
+def _ranks_items(rank, world, root):
+    out = dict(norms=_norm_counts(rank, world), store=_store_skew(rank, world, 2000 if world == 2 else 20))
+    if world == 2:
+        out["between"] = _between_steps(rank, world, root)
+    return out
+
+
+RANKS_DIR = os.path.join(tempfile.gettempdir(), f"zero_test_ranks37_{os.getpid()}")
+
+
+def ranks_items(world):
+    return _spawn_once(_ranks_items, world, RANKS_DIR)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage0_norm_kernels_per_step_are_the_same_at_2_and_4_ranks_and_the_norms_are_torchs(world):
+    ref = reference(STEPS, BATCH, zero.Config(lr=LR))[1]
+    for rank, r in enumerate(ranks_items(world)):
+        r = r["norms"]
+        # one norm per trained flat buffer and step, on every rank, whatever the number of ranks
+        assert all(r[s]["counts"] == [r[s]["flats"]] * STEPS for s in (0, 1)), (rank, r[0]["counts"], r[1]["counts"])
+        assert r[0]["norms"] == r[1]["norms"], (rank, r[0]["norms"], r[1]["norms"])     # stage 1's rounding
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r[0]["norms"], ref)), (rank, r[0]["norms"], ref)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_store_requests_while_ranks_arrive_apart_stay_within_the_rate_at_any_world_size(world, capsys):
+    res = [r["store"] for r in ranks_items(world)]
+    rate = 2000 if world == 2 else 20
+    pace = max(0.05, world / rate)
+    most = 2 * pace                         # the poll's longest pause; 1 ms at first, doubling
+    ramp = math.ceil(math.log2(most / 1e-3)) + 1    # the polls before it: each wait's start
+    per_pace = []
+    for rank, r in enumerate(res[:-1]):     # the ranks that waited for the late one
+        assert r["pace"] == pace and r["took"] > SKEW_S - 0.5, (rank, r["took"])
+        # at most one request a pace on average, past the ramp and the add that counts the rank in
+        assert len(r["wait"]) <= 1 + ramp + r["took"] / pace, (rank, len(r["wait"]), r["took"], pace)
+        steady = [at for at, _ in r["wait"] if at > 2 * most]
+        per_pace.append(len(steady) / (r["took"] - 2 * most) * pace)
+    late = res[-1]
+    assert len(late["wait"]) <= 2 + 1 + ramp, late["wait"]    # counted in last: add, set, one check
+    # the first call's keys deleted once every rank counted in at the second; the second's kept till the next
+    assert all(r["keys"] == res[0]["keys"] for r in res) and list(res[0]["keys"].values()) == [[False] * 2, [True] * 2]
+    # report(): rank 0 reads every rank's posted calls, the others ranks 0 and 1's and their own
+    assert res[0]["read"] == list(range(world)) and all(r["read"] == sorted({0, 1, i}) for i, r in enumerate(res) if i)
+    # N ranks waiting make (N / pace) x (requests a pace) a second: at 4,096 ranks, STORE_RATE x that
+    mean = sum(per_pace) / len(per_pace)
+    with capsys.disabled():
+        print(f"\n{world} ranks, STORE_RATE={rate}: {mean / pace:.1f} requests/s per waiting rank past the ramp "
+              f"({mean:.2f} a pace of {pace:.2f} s); at 4,096 ranks, STORE_RATE=2000: {mean / (4096 / 2000):.2f}/s "
+              f"per rank, {4096 * mean / (4096 / 2000):.0f}/s together")
+
+
+def test_comm_is_the_last_steps_and_calls_between_steps_have_their_own_entry():
+    for rank, r in enumerate(ranks_items(2)):
+        for stage, (plain1, plain2, step1, after, step2) in r["between"].items():
+            tag = (rank, stage)
+            assert "between_steps" not in plain1 and plain1 == step1 == after, tag
+            apart = step2.get("between_steps", {})
+            step2 = {k: v for k, v in step2.items() if k != "between_steps"}
+            assert step2 == plain2 and "between_steps" not in plain2, (tag, step2, plain2)
+            # the load's agreement, and at stages 1-3 the state dict's gathers, under their own kinds
+            assert apart["scalar"]["calls"] == 1 and ("state_dict" in apart) == (stage > 0), (tag, apart)
+
+
+def test_the_step_sends_its_host_values_in_one_tensor_and_one_copy():
+    # the fingerprint, its squares and the flags in one host tensor, one _to_device per step (on CUDA: pinned,
+    # non-blocking); the norm is not among them (a device scalar, concatenated on the device)
+    real, sent = zero._to_device, []
+    zero._to_device = lambda host, device: sent.append(host.clone()) or real(host, device)
+    try:
+        ref = reference(1, 2, zero.Config(lr=LR))[1][0]
+        for stage in range(4):
+            engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR))
+            x, y = make_batches(1, 2)
+            engine.backward(engine(x[0], y[0])["loss"])
+            sent.clear()
+            engine.step()
+            flags = len(engine.units) + sum(len(f.params) for u in engine.trained for f in u.trains)
+            assert len(sent) == 1 and sent[0].numel() == 8 + flags and sent[0].dtype == torch.float64, (stage, sent)
+            assert torch.equal(sent[0][4:8], sent[0][:4] ** 2) and torch.equal(sent[0], sent[0].round()), stage
+            assert sent[0][8 + len(engine.units):].eq(1).all(), stage   # every parameter had a gradient
+            assert abs(engine.grad_norm - ref) <= 1e-5 * ref, (stage, engine.grad_norm, ref)
+    finally:
+        zero._to_device = real
+
+
+def _cuda_sync_cases(rank, world):
+    out = {}
+    for stage in range(4):
+        engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="bf16", lr=LR))
+        xs, ys = make_batches(3, BATCH)
+        xs, ys = xs.to(engine.device), ys.to(engine.device)
+        for s in range(3):                  # the third step counted: the first learns the order
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn" if s == 2 else "default")
+                try:
+                    engine.backward(engine(xs[s], ys[s])["loss"])
+                    before = len(said)
+                    engine.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in said if "synchroniz" in str(w.message)]
+        out[stage] = dict(forward_backward=sum("synchroniz" in str(w.message) for w in said[:before]),
+                          step=sum("synchroniz" in str(w.message) for w in said[before:]), said=syncs[:4])
+    return out
+
+
+@CUDA
+def test_cuda_one_host_sync_per_step():
+    # the step's one: the read of the agreed sums after its polled wait (no pageable copy of the flags beside it)
+    for stage, r in spawn(_cuda_sync_cases, 1, method="spawn")[0].items():
+        assert r["forward_backward"] == 0 and r["step"] == 1, (stage, r)

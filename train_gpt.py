@@ -466,7 +466,7 @@ def main():
             print(f"memory/rank {where:6s} engine: {mib(mem[where])}")
         # what one step moves: stage 3 adds an all-gather per block for the backward
         print("comm/rank last step: " + " ".join(f"{k} {v['calls']}x {v['bytes'] / 2**20:.2f} MiB"
-                                                 for k, v in comm.items()))
+                                                 for k, v in comm.items() if k != "between_steps"))
     if dist.is_initialized():
         dist.destroy_process_group()
 

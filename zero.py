@@ -243,6 +243,8 @@ def _reduce_scatter(out, inp, group=None, async_op=True):
 _GROUPS = {}    # (ranks, purpose, world, timeout) -> process group, made once per process, shared
 _SERIALS = {}   # ranks -> a counter of the engines made on them, the same on each
 POLL_S = 1.0    # a CPU wait this long compares the ranks' calls in the store (a call made alone)
+STORE_RATE = 2000   # requests a second to the store that all ranks' long waits make together, at most (one
+                    # TCPStore, torchrun's rendezvous store too, served about 22k a second here)
 RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls one rank may make alone
 CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
 EVERY_RANK = (
@@ -286,12 +288,15 @@ class Comm:
     def __init__(self, cfg, group=None):
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)   # of each group made, each wait
         self.ledger = {}                    # kind -> (calls, elements, bytes) since the last step
+        self.apart = {}                     # the same, of the calls between steps (RARE) since then
+        self.between = False                # the calls counted now are a RARE call's
         self.trace = []                     # (kind, unit) of each launch and call since last step
         self.held = 0                       # bytes of parameter buffers allocated now ...
         self.peak = 0                       # ... and at most
         self.calls = collections.Counter()  # this rank's calls by name (forward, backward, ...)
         self.log = collections.deque(maxlen=64)   # the last of them, (n, name): the n-th call made
         self.posted = 0                     # n of the last call posted to the store (long waits)
+        self.checked = []                   # the store keys of the last call checked there
         debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
         self.check_calls = cfg.check_calls or debug     # every call checked through the store
         self.ranks = [0]                    # the group's ranks, global numbers
@@ -351,16 +356,24 @@ class Comm:
         return groups
 
     def count(self, kind, elems, elem_size):
-        calls, e, b = self.ledger.get(kind, (0, 0, 0))
-        self.ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
+        ledger = self.ledger
+        if self.between:                    # a state dict's, a save's, a load's: not the step's
+            ledger = self.apart
+        calls, e, b = ledger.get(kind, (0, 0, 0))
+        ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
 
     def drop_groups(self):                  # at exit: the process groups are destroyed next
         self.groups = {}
 
     def new_step(self):
-        # what the step moved, by kind, as comm() reports it; the ledger and the trace start again
+        # what the step moved, by kind, as comm() reports it, and under "between_steps" what the calls
+        # between it and the step before moved; the ledgers and the trace start again
         moved = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.ledger.items()}
+        if self.apart:
+            moved["between_steps"] = {k: dict(calls=c, elements=e, bytes=b)
+                                      for k, (c, e, b) in self.apart.items()}
         self.ledger = {}
+        self.apart = {}
         self.trace = []
         return moved
 
@@ -383,7 +396,7 @@ class Comm:
                     if cpu and self.device.type == "cuda":
                         event = torch.cuda.Event()  # polled, not a sync that could hang unbounded
                         event.record()
-                        why = self.until(functools.partial(_poll, event.query))
+                        why = self.until(_Poll(event.query, 1e-4, 1e-4))
                 else:
                     why = self.until(functools.partial(_work_done, work))
             except RuntimeError as e:       # gloo's: a timeout, sizes that differ, a dead peer
@@ -396,13 +409,21 @@ class Comm:
                                f"another rank died, stalled or made other calls ({self.report()}); "
                                f"if slow, raise Config.timeout_s; {EVERY_RANK}") from error
 
+    def pace(self):
+        """Seconds between a waiting rank's store requests, on average: at most STORE_RATE a second
+        from N ranks waiting at once, whatever N (20 a second from each of a few)."""
+        return max(0.05, self.world / STORE_RATE)
+
     def until(self, done):
-        """Wait for done(seconds) -> finished within them, up to timeout_s, in slices of POLL_S:
-        after each, this rank's calls are posted to the store and ranks 0 and 1's read, so that
-        ranks whose n-th calls differ (one made a call alone) learn it in seconds. Returns None when
-        done, "" at the timeout, else how the calls differ. A wait under POLL_S touches no store."""
+        """Wait for done(seconds) -> finished within them, up to timeout_s, in slices of POLL_S
+        (longer past STORE_RATE / 8 ranks): after each, this rank's calls are posted to the store
+        and ranks 0 and 1's read, so that ranks whose n-th calls differ (one made a call alone)
+        learn it in seconds. Returns None when done, "" at the timeout, else how the calls differ.
+        A wait under POLL_S touches no store."""
         end = time.monotonic() + self.timeout.total_seconds()
-        while not done(min(POLL_S, max(end - time.monotonic(), 0.01))):
+        # a comparison asks the store up to 4 times (a post, two checks, a read): half of the pace
+        every = max(POLL_S, 8 * self.pace())
+        while not done(min(every, max(end - time.monotonic(), 0.01))):
             if time.monotonic() >= end:
                 return ""
             differ = self.compare()
@@ -446,16 +467,19 @@ class Comm:
                 self.wait(e)
         return out
 
-    def agree(self, key, explain, extra=None):
+    def agree(self, key, explain, flags=(), extra=None):
         """The ranks' one primitive of agreement (the setup's config, the step, a load): `key`'s
-        fingerprint and its squares summed in one fp64 all-reduce, beside `extra` (a float64 tensor
-        on the device, whose sums come back). Where some rank's key differs, every rank's explain()
-        is gathered too, for the caller to say who differs; else that list is None."""
+        fingerprint and its squares summed in one fp64 all-reduce, beside `flags` (numbers on the
+        host) and `extra` (a float64 tensor on the device), whose sums come back in that order. Where
+        some rank's key differs, every rank's explain() is gathered too, for the caller to say who
+        differs; else that list is None."""
         digits = fingerprint(key)
-        head = torch.tensor(digits + [d * d for d in digits], dtype=torch.float64)
-        if self.device.type == "cuda":      # one host-to-device copy, behind the work queued so far
-            head = head.pin_memory().to(self.device, non_blocking=True)
-        stats = head if extra is None else torch.cat([head, extra])
+        head = torch.tensor(digits + [d * d for d in digits] + list(flags), dtype=torch.float64)
+        # what the host gives goes as one tensor, in one copy (on CUDA pinned, not blocking: the
+        # step's one host sync is then the read of the sums, after the polled wait)
+        stats = _to_device(head, self.device)
+        if extra is not None:
+            stats = torch.cat([stats, extra])
         self.all_reduce(stats, kind="scalar")
         sums = stats.tolist()
         if all(a * a == self.world * q for a, q in zip(sums[:4], sums[4:8])):
@@ -467,19 +491,23 @@ class Comm:
         (`check`), and all with check_calls are first checked in the store (each rank counted in at
         key n): a collective made alone would pair with another one (gloo aborts, NCCL hangs)."""
         self.calls[what] += 1
+        self.between = what in RARE         # counted apart until the next training call
         n = sum(self.calls.values())
         self.log.append((n, what))
         self.trace.append((what, None))
         if self.store is None or not (what in RARE or check or self.check_calls):
             return
         key = f"{self.prefix}/call{n}"
-        ready = functools.partial(self.store.check, [f"{key}/all"])
+        # polled from 1 ms on, doubling to twice the pace (the other half is until's comparisons)
+        ready = _Poll(functools.partial(self.store.check, [f"{key}/all"]), 1e-3, 2 * self.pace())
         try:
             if self.store.add(f"{key}/{what}", 1) == self.world:
                 self.store.set(f"{key}/all", what)
-            why = self.until(functools.partial(_poll, ready, pause=1e-3, most=0.05))
+                self.forget()               # every rank is past the call checked before
+            why = self.until(ready)
         except Exception:                   # the store gone: its host rank died
             why = ""
+        self.checked = [f"{key}/{what}", f"{key}/all"]
         if why:
             raise RuntimeError(f"zero: {what}() #{n}: the ranks made other calls ({why}); "
                                f"{EVERY_RANK}")
@@ -495,12 +523,20 @@ class Comm:
             self.store.set(f"{self.prefix}/last/{self.rank}", value)
             self.posted = n
 
-    def read(self, r):
-        # what rank r posted, or None
-        key = f"{self.prefix}/last/{r}"
-        if self.store.check([key]):
-            return json.loads(self.store.get(key))
-        return None
+    def forget(self):
+        # the keys of the call this rank checked last, once every rank counted in at a later one (so
+        # all have read them); a store that cannot delete keeps them
+        for key in self.checked:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(key)
+        self.checked = []
+
+    def read(self, ranks):
+        # what each of `ranks` posted, of those that did: a check per key, then one read of them all
+        keys = {r: f"{self.prefix}/last/{r}" for r in ranks}
+        there = [r for r, key in keys.items() if self.store.check([key])]
+        values = _multi_get(self.store, [keys[r] for r in there])
+        return {r: json.loads(v) for r, v in zip(there, values)}
 
     def compare(self):
         # this rank's calls against those ranks 0 and 1 posted (a call made alone waits for, or
@@ -510,8 +546,7 @@ class Comm:
         with contextlib.suppress(Exception):    # the store gone: its host rank died
             self.post()
             mine = dict(self.log)
-            for r in {0, 1} - {self.rank}:
-                calls, log = self.read(r) or ({}, [])
+            for r, (calls, log) in self.read({0, 1} - {self.rank}).items():
                 for n, what in log:
                     if n in mine and mine[n] != what:
                         more = _more_calls({self.rank: self.calls, r: calls})
@@ -521,25 +556,39 @@ class Comm:
         return None
 
     def report(self):
-        # what each rank called: this rank's counts and last calls posted, the others' read
+        # what each rank called: this rank's counts and last calls posted; rank 0 reads every rank's,
+        # the others ranks 0 and 1's (N ranks each reading N keys would ask the store N^2 times)
         if self.store is None:
             return f"rank {self.rank} called " + ", ".join(f"{w}() #{n}" for n, w in self.log)
+        want = {0, 1, self.rank}
+        readers = self.world                # the ranks that may be reading keys like these at once
+        if self.rank == 0:
+            want = set(range(self.world))
+            readers = 1
+        # a round reads what is missing; rank 0 alone, and the others together, at most STORE_RATE
+        # keys a second
+        pause = max(0.05, len(want) * readers / STORE_RATE)
         seen = {}                           # rank -> what it posted
         deadline = time.monotonic() + min(3.0, self.timeout.total_seconds() / 2)
         with contextlib.suppress(Exception):    # the store gone (its host rank died): what was read
             self.post()
-            while len(seen) < self.world and time.monotonic() < deadline:
-                for r in set(range(self.world)) - set(seen):
-                    posted = self.read(r)
-                    if posted is not None:
-                        seen[r] = posted
-                if len(seen) < self.world:
-                    time.sleep(0.05)
+            while len(seen) < len(want) and time.monotonic() < deadline:
+                seen.update(self.read(want - set(seen)))
+                if len(seen) < len(want):
+                    time.sleep(pause)
         logs = {r: [f"{w}() #{n}" for n, w in log] for r, (_, log) in seen.items()}
         last = "; ".join(f"rank {r}: {log[-1]} (after {', '.join(log[-3:-1]) or 'nothing'})"
                          for r, log in sorted(logs.items())[:8] if log)
         more = _more_calls({r: c for r, (c, _) in seen.items()})
         return "; ".join(more + [last or "no rank said more"])
+
+
+def _to_device(host, device):
+    # a host tensor on `device`: on CUDA pinned first, then copied behind the work queued so far without
+    # blocking the CPU (a pageable copy is a stream synchronize); on the CPU the tensor itself
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _work_done(work, seconds):
@@ -552,16 +601,40 @@ def _work_done(work, seconds):
         return False
 
 
-def _poll(ready, seconds, pause=1e-4, most=1e-4):
-    # ready() within `seconds`, polled, pausing from `pause` doubling to `most`: a CUDA event never
-    # reached cannot hang the CPU; the store's own timed wait logs a warning at each timeout
-    end = time.monotonic() + seconds
-    while not ready():
-        if time.monotonic() > end:
-            return False
-        time.sleep(pause)
-        pause = min(2 * pause, most)
-    return True
+class _Poll:
+    """ready() polled, as until() calls it: each call waits up to `seconds` for it, the pause between
+    checks doubling from `pause` to `most` over the whole wait, not from `pause` again at each call.
+    A CUDA event never reached cannot hang the CPU; the store's own timed wait logs a warning at each
+    timeout."""
+
+    def __init__(self, ready, pause, most):
+        self.ready = ready                  # the check: True once done
+        self.pause = pause                  # the next pause ...
+        self.most = most                    # ... doubling up to this
+        self.due = 0.0                      # when the next check is due (time.monotonic)
+
+    def __call__(self, seconds):
+        end = time.monotonic() + seconds
+        while True:
+            now = time.monotonic()
+            if now >= self.due:
+                if self.ready():
+                    return True
+                self.due = now + self.pause
+                self.pause = min(2 * self.pause, self.most)
+            if self.due > end:              # the next check falls in the next call
+                time.sleep(max(0.0, end - now))
+                return False
+            time.sleep(self.due - now)
+
+
+def _multi_get(store, keys):
+    # the values of keys that exist, in one request where the store has multi_get (newer torch)
+    if not keys:
+        return []
+    if hasattr(store, "multi_get"):
+        return store.multi_get(keys)
+    return [store.get(k) for k in keys]
 
 
 def _more_calls(counts):
@@ -719,8 +792,17 @@ def _cpu_kernel():
 
 
 def _host_threads():
-    # the cores this process may run on, shared by the node's ranks (under torchrun torch has only one thread)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # the cores this process may run on (under torchrun torch has only one thread), shared by the node's ranks
+    # unless the launcher bound each rank to cores of its own: then this rank's mask is narrower than the
+    # launcher's (a container's cpuset narrows both, and its ranks still share it)
+    if not hasattr(os, "sched_getaffinity"):
+        return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cores = len(os.sched_getaffinity(0))
+    launcher = os.cpu_count() or 1          # the parent's mask; the machine's where it cannot be read
+    with contextlib.suppress(OSError):
+        launcher = len(os.sched_getaffinity(os.getppid()))
+    if cores < launcher:                    # bound: these cores are this rank's alone
+        return cores
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
@@ -1129,13 +1211,13 @@ class Flat:
         # the squared norm of the gradient slice this rank owns
         if self.plan.offload:
             return self.norm
-        if self.plan.shards_optim:
-            return torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32) ** 2
-        # stage 0: the whole gradient's as the sum over the slices stages 1-3 own, in fp64 as theirs
-        # is: the norm's rounding, which the clip carries into every update, is every stage's
-        pieces = [torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-                  for g in self.grad_shard.view(self.plan.shards, -1)]
-        return torch.stack(pieces).double().sum()
+        mine = self.grad_shard
+        if not self.plan.shards_optim:
+            # stage 0: the slice stages 1-3 would own, its square summed over ranks in the step's fp64
+            # all-reduce as theirs is (the norm's rounding, which the clip carries into every update, is
+            # every stage's), one kernel per rank, not one per rank's slice on every rank
+            mine = mine.view(self.plan.shards, -1)[self.plan.shard_rank]
+        return torch.linalg.vector_norm(mine, dtype=torch.float32) ** 2
 
     # -- the step
     def new_window(self):                   # the step is agreed: the next accumulation starts
@@ -2476,14 +2558,14 @@ class Zero:
             u.finish_replica()
             for f in u.trains:
                 sq += f.sq_norm()
-        # a copy several ranks hold (stage 0, hybrid replicas) counts once: the others add 0 times
-        # theirs (nan if not finite: an overflow anywhere skips everywhere)
-        sq *= float((self.net.replica if self.plan.shards_optim else self.rank) == 0)
+        # a copy several hybrid replicas hold counts once: the others add 0 times theirs (nan if not
+        # finite: an overflow anywhere skips everywhere); stage 0's ranks each add their own slice's
+        sq *= float(self.net.replica == 0)
         flags = [u.held for u in self.units]
         flags += [i in f.got for u in trained for f in u.trains for i in range(len(f.params))]
-        extra = torch.cat([sq.view(1), torch.tensor(flags, dtype=torch.float64).to(self.device)])
         mine = (self.net.trace, self.sched.ran, dict(self.net.calls))   # gathered if ranks differ
-        (global_sq, *rest), every = self.net.agree(self.net.trace, lambda: mine, extra)
+        # the flags go with the fingerprint in one host tensor; the norm stays on the device
+        (*rest, global_sq), every = self.net.agree(self.net.trace, lambda: mine, flags, sq.view(1))
         held = rest[:len(self.units)]       # per unit: held whole on some rank
         for u in trained:                   # the next window starts a new accumulation
             for f in u.trains:
@@ -2596,7 +2678,9 @@ class Zero:
         self.sched.new_step()
 
     def comm(self):
-        """What the last step moved, by kind: calls, elements and bytes."""
+        """What the last step moved, by kind: calls, elements and bytes; under "between_steps" (where
+        there were any), what the calls between it and the step before (full_state_dict,
+        load_state_dict, save, load) moved, by kind."""
         return self.last_comm
 
     @property
@@ -2777,9 +2861,11 @@ class HostWorker:
         self.jobs = queue.SimpleQueue()     # (fn, Future) in order; None: the thread ends
         self.timeout = timeout_s            # seconds a wait (and the exit's join) may take
         self.copies = Copies(device)        # its units' copies to the host and back
-        self.thread = threading.Thread(target=self._run, args=(device,), daemon=True,
+        ready = threading.Event()           # its torch thread count set, the default put back
+        self.thread = threading.Thread(target=self._run, args=(device, ready), daemon=True,
                                        name="zero-offload-adam")
         self.thread.start()
+        ready.wait()
 
     def submit(self, fn):
         # the Future the unit keeps: its result, or the update's exception, at the unit's next wait
@@ -2787,9 +2873,21 @@ class HostWorker:
         self.jobs.put((fn, future))
         return future
 
-    def _run(self, device):
+    def _run(self, device, ready):
         if device.type == "cuda":
             torch.cuda.set_device(device)   # the current GPU is per thread
+        # torch's ops here (the update without the C kernel, Muon on the host) take the rank's cores, not
+        # torch's count (1 under torchrun). With OpenMP the count is per thread once a thread has used it,
+        # but a set is also the default that threads starting later take: a throwaway thread puts that
+        # back while the caller waits (it may not have used its count yet)
+        try:
+            default = torch.get_num_threads()
+            torch.set_num_threads(_host_threads())
+            restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+            restore.start()
+            restore.join()
+        finally:
+            ready.set()
         for fn, future in iter(self.jobs.get, None):
             try:
                 future.set_result(fn())
@@ -2875,12 +2973,14 @@ def _aliases(model):
 # path/latest            the newest complete checkpoint's name, replaced atomically, last
 # path/step_00001000/    meta.json (layout, config, step, scaler, param groups, checksums), written
 #                        after every rank's rank_00000.pt ... (its RNG; for one copy of the shards,
-#                        its slice of every Flat.state, unpadded; rank 0: buffers and `extra`)
+#                        its slice of every Flat.state, unpadded; rank 0: buffers and `extra`; what
+#                        it holds, each tensor's CRC-32, which a load checks where it reads)
 # Each file is written under a temporary name, then renamed: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loads slice the layout: any world size and stage loads it.
 
-FORMAT = "zero.py-checkpoint-4"             # 4: each buffer's update rule, in meta.json
-READS = (FORMAT, "zero.py-checkpoint-3", "zero.py-checkpoint-2")   # 3: AdamW; 2: no alignment
+FORMAT = "zero.py-checkpoint-5"             # 5: each rank file's tensors' checksums, inside it
+OLD = ("zero.py-checkpoint-4", "zero.py-checkpoint-3", "zero.py-checkpoint-2")   # checked whole at load
+READS = (FORMAT, *OLD)                      # 4: each buffer's update rule; 3: AdamW; 2: no alignment
 
 
 def _write_atomic(path, write):
@@ -2894,12 +2994,58 @@ def _write_atomic(path, write):
 
 
 def _sha256(path):
-    # block by block: a rank file need not fit in memory
+    # block by block: a rank file need not fit in memory (format 2-4's check at load)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
+
+
+class _Hashing:
+    """A file that hashes what torch.save writes to it, as it writes: a save never reads a file back."""
+
+    def __init__(self, f, digest):
+        self.f = f                          # the file written
+        self.digest = digest                # hashlib's, given every byte written
+
+    def write(self, data):
+        self.digest.update(data)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+def _leaves(x, path=()):
+    # (path, value) of each leaf of nested dicts, lists and tuples, in their order
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, x
+
+
+def _crc(t):
+    # CRC-32 of a tensor's elements as bytes, in order (3 GB/s here; sha256 1.8); `extra`'s may be on a GPU
+    return zlib.crc32(t.detach().reshape(-1).view(torch.uint8).cpu().numpy())
+
+
+def _contents(blob, crc):
+    # what a rank file holds, leaf by leaf (its path's repr): a tensor's dtype, shape and (crc) its
+    # CRC-32, any other value's repr
+    out = {}
+    for path, x in _leaves(blob):
+        key = repr(path)
+        out[key] = repr(x)
+        if isinstance(x, torch.Tensor):
+            out[key] = [str(x.dtype), list(x.shape)]
+        if isinstance(x, torch.Tensor) and crc:
+            out[key].append(_crc(x))
+    return out
 
 
 def save(engine, path, extra=None):
@@ -2937,8 +3083,12 @@ def save(engine, path, extra=None):
         blob["buffers"] = {k: v.detach().cpu() for k, v in _model_state(engine.module).items()
                            if id(v) not in engine.owned}
     fname = os.path.join(d, f"rank_{net.rank:05d}.pt")
-    _write_atomic(fname, lambda f: torch.save(blob, f))
-    sums = net.all_gather_object(_sha256(fname))
+    # a load checks what it reads against this list, not whole files; the file's sha256 is taken as
+    # it is written, for meta.json
+    blob["sums"] = json.dumps(_contents(blob, crc=True))
+    digest = hashlib.sha256()               # of the file, as torch.save writes it
+    _write_atomic(fname, lambda f: torch.save(blob, _Hashing(f, digest)))
+    sums = net.all_gather_object(digest.hexdigest())
     if net.rank == 0:
         cfg = engine.cfg
         aliases = _aliases(engine.module)
@@ -2984,7 +3134,8 @@ def _delete_old(path, newest, net):
 
 class _Files:
     """A checkpoint (its directory, or its parent's `latest`): its meta, its rank files opened once,
-    memory-mapped; this rank checks the checksums of files check[0], check[0] + check[1] ..."""
+    memory-mapped. Each tensor is checked against its file's checksums the first time get() reads it;
+    older formats' files check[0], check[0] + check[1] ... are checked whole when opened."""
 
     def __init__(self, path, check):
         if os.path.isfile(os.path.join(path, "latest")):
@@ -3003,6 +3154,8 @@ class _Files:
                              "checkpoint") from e
         self.d = path                       # the checkpoint's directory
         self.open = {}                      # rank -> its file's contents, loaded memory-mapped
+        self.sums = {}                      # rank -> its file's tensors' checksums, by path
+        self.checked = set()                # (rank, path) of each tensor checked
         world = self.meta["world_size"]     # of the save
         for r in range(check[0], world, check[1]):
             name = f"rank_{r:05d}.pt"
@@ -3010,7 +3163,7 @@ class _Files:
             if not os.path.isfile(fname):
                 raise FileNotFoundError(f"zero: checkpoint {path} lacks {name} (saved by {world} "
                                         "ranks): copy all its files, or use another")
-            if _sha256(fname) != self.meta["sha256"][name]:
+            if self.meta["format"] in OLD and _sha256(fname) != self.meta["sha256"][name]:
                 raise ValueError(f"zero: {fname} is truncated or corrupted (its sha256 does not "
                                  "match meta.json); use an earlier checkpoint")
         # name -> (flat, offset, shard size at save time, shape) in the saved layout (format 2 has
@@ -3024,10 +3177,49 @@ class _Files:
                 self.rules[p["name"]] = None if f["frozen"] else f.get("update", "adamw")
 
     def __call__(self, r):                  # weights_only: a checkpoint is data, never code
-        if r not in self.open:
-            self.open[r] = torch.load(os.path.join(self.d, f"rank_{r:05d}.pt"), map_location="cpu",
-                                      weights_only=True, mmap=True)
-        return self.open[r]
+        if r in self.open:
+            return self.open[r]
+        fname = os.path.join(self.d, f"rank_{r:05d}.pt")
+        bad = f"zero: {fname} is truncated or corrupted"
+        crcs = {}                           # format 5: path -> CRC-32, of each tensor
+        try:
+            blob = torch.load(fname, map_location="cpu", weights_only=True, mmap=True)
+            listed = {}                     # format 5: what the save listed, each tensor's CRC-32 apart
+            if self.meta["format"] not in OLD:
+                listed = json.loads(blob.pop("sums"))
+            for k, v in listed.items():
+                if isinstance(v, list):     # a tensor's dtype, shape and CRC-32
+                    crcs[k] = v.pop()
+        except Exception as e:              # cut short (no zip directory), bytes changed
+            raise ValueError(f"{bad} (reading it raised {type(e).__name__}); use an earlier "
+                             "checkpoint") from e
+        # what the file holds must be what the save listed (its tensors' bytes are checked as read)
+        if listed and _contents(blob, crc=False) != listed:
+            raise ValueError(f"{bad} (it holds other values than the save listed); use an earlier "
+                             "checkpoint")
+        if listed:
+            self.sums[r] = crcs
+        self.open[r] = blob
+        return blob
+
+    def get(self, r, *path):
+        # file r's value at `path` (keys, indices), each tensor in it checked against its checksum the
+        # first time a load reads it; None where there is no such key
+        x = self(r)
+        for k in path:
+            if isinstance(x, dict):
+                x = x.get(k)
+            else:
+                x = x[k]
+        for sub, t in _leaves(x, path):
+            key = repr(sub)
+            if r not in self.sums or not isinstance(t, torch.Tensor) or (r, key) in self.checked:
+                continue
+            if _crc(t) != self.sums[r][key]:
+                raise ValueError(f"zero: {self.d}/rank_{r:05d}.pt is truncated or corrupted (the "
+                                 f"CRC-32 of {key} differs from the save's); use an earlier checkpoint")
+            self.checked.add((r, key))
+        return x
 
     def read(self, name, start, n, key):
         # elements [start, start+n) of a saved parameter; element e of buffer i is in slice
@@ -3044,7 +3236,7 @@ class _Files:
         while a < end:
             r = a // size
             b = min(end, (r + 1) * size)
-            out.append(self(first + r)["flats"][i][key][a - r * size:b - r * size])
+            out.append(self.get(first + r, "flats", i, key)[a - r * size:b - r * size])
             a = b
         return torch.cat(out) if len(out) > 1 else out[0]
 
@@ -3073,9 +3265,13 @@ def load(engine, path):
                                      f"engine's with {x.rule.name}: give it the checkpoint's "
                                      "update rule, or load the weights alone with "
                                      "engine.load_state_dict(zero.consolidate(path))")
+        if f.meta["world_size"] == engine.world:   # read after the restore: checked before it
+            f.get(engine.rank, "rng")
+            f.get(engine.rank, "cuda_rng")
+        f.get(0, "extra")
         # by name: a parameter may sit in another unit, offset or shard than when saved
         return (lambda name, p, start, n, key: f.read(name, start, n, key),
-                {k: v for k, v in f(0)["buffers"].items() if k not in f.saved})
+                {k: v for k, v in f.get(0, "buffers").items() if k not in f.saved})
     _restore(engine, prepare, f"load {path}")
     meta = f.meta
     # the rules' step counts per parameter (AdamW's bias correction), by name like the values
@@ -3092,15 +3288,15 @@ def load(engine, path):
         warnings.warn(f"zero: the checkpoint has {len(meta['param_groups'])} param groups, the "
                       f"engine {len(groups)}: the engine's hyperparameters are kept")
     if meta["world_size"] == engine.world:  # the same ranks again: each goes on with its own stream
-        torch.set_rng_state(f(engine.rank)["rng"])
+        torch.set_rng_state(f.get(engine.rank, "rng"))
         if "cuda_rng" in f(engine.rank) and engine.device.type == "cuda":
-            torch.cuda.set_rng_state(f(engine.rank)["cuda_rng"], engine.device)
-    return dict(meta, extra=f(0).get("extra"))
+            torch.cuda.set_rng_state(f.get(engine.rank, "cuda_rng"), engine.device)
+    return dict(meta, extra=f.get(0, "extra"))
 
 
 def read_extra(path):
     """The script's `extra` of a checkpoint, read without an engine (to rebuild the model first)."""
-    return _Files(path, (0, 1 << 30))(0).get("extra")
+    return _Files(path, (0, 1 << 30)).get(0, "extra")
 
 
 def _restore(engine, prepare, what, filled=None):
@@ -3158,7 +3354,7 @@ def consolidate(path):
     """A sharded checkpoint as one plain fp32 state_dict that the unwrapped model loads; memory
     holds the result and the rank files' memory maps, nothing else."""
     f = _Files(path, (0, 1))
-    values = {k: v.to(_wide(v.dtype), copy=True) for k, v in f(0)["buffers"].items()}
+    values = {k: v.to(_wide(v.dtype), copy=True) for k, v in f.get(0, "buffers").items()}
     for p in (p for x in f.meta["flats"] for p in x["params"]):   # from its slices in the files
         t = f.read(p["name"], 0, math.prod(p["shape"]), "master")
         whole = t.to(_wide(t.dtype), copy=True).view(p["shape"])

@@ -2167,7 +2167,7 @@ def test_bench_quick_runs():
                        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for title in ("Model-state memory", "Communication per step", "Throughput", "CPU AdamW", "Activation memory",
-                  "Offload"):
+                  "Offload", "Matrix rules: Muon beside AdamW"):
         assert title in r.stdout, title
     assert "| zero3 / base3 |" in r.stdout and "report_tput failed" not in r.stdout, r.stdout   # --baseline's rows
     ours = [ln for ln in r.stdout.split("### 3.")[0].splitlines() if ln.startswith("| zero")]

@@ -5273,7 +5273,7 @@ NC_CASES = {1: [(0, "fp32", "", 1), (3, "bf16", "fp32", 2)],
             4: [(1, "fp32", "", 1), (3, "bf16", "fp32", 2)]}
 
 
-def _resume_cases(rank, world, ckpt):
+def _nanochat_resume(rank, world, ckpt):
     """nanochat's rule, 4 steps straight; and 2 steps, save, a new engine, load, 2 more steps."""
     out = {}
     xs, ys = make_batches(STEPS, BATCH)
@@ -5309,7 +5309,7 @@ def _rule_cases(rank, world, ckpt):
             out[("ademamix", "offload")] = train(rank, world, cfg, STEPS, BATCH)
             for stage in (1, 3):            # the views across two ranks' slices
                 out[("shapes", stage)] = shapes_steps(rank, world, shapes_engine(dict(stage=stage, **SHAPES_CFG)), 2, 8)
-            out["resume"] = _resume_cases(rank, world, ckpt)
+            out["resume"] = _nanochat_resume(rank, world, ckpt)
         if world == 4:
             for stage in (1, 3):
                 cfg = zero.Config(stage=stage, dtype="fp32", shard_group=2, **NC)

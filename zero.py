@@ -2327,7 +2327,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, groups, optimizer=None):
         self.engine = engine                # whose step this step() is
-        super().__init__(groups, {})      # each group has its rule's keys, and only those
+        super().__init__(groups, {})        # torch would give every group these: each has its rule's keys
+        self.defaults = RULES["adamw"].defaults(engine.cfg)   # what torch's cyclic schedulers look for
         if optimizer is not None:           # the script's optimizer, now driven by the engine
             def step(closure=None):
                 optimizer._opt_called = True    # what torch's LR schedulers look for

@@ -1503,7 +1503,7 @@ class MatrixStep:
             for k, a, b, _ in self.pieces:
                 sent = self._before(k, a, b, groups, mult)
                 if sent is not None:
-                    update = self._whole(k, sent.to(rule.sends[0]), groups)
+                    update = self._whole(k, sent.to(rule.sends[0], copy=True), groups)
                     self._after(k, a, b, update.to(rule.sends[1]), groups)
             return
         send = torch.zeros(sum(self.send_splits), dtype=rule.sends[0], device=dev)

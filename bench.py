@@ -15,7 +15,9 @@ grad clip 1.0): DDP + AdamW, DDP + ZeroRedundancyOptimizer and FSDP2
   4. CPU AdamW params/s, activation memory with and without recompute, and how
      much of the host update offload hides behind the next forward;
   5. on a GPU only: tokens/s, MFU and peak memory per stage next to plain torch and FSDP2, and the largest
-     GPT that plain torch, stage 3 and stage 3 with offload train (a CPU test runs it on a tiny GPT).
+     GPT that plain torch, stage 3 and stage 3 with offload train (a CPU test runs it on a tiny GPT);
+  6. matrix rules: Muon's bytes and time per step beside AdamW's, the bytes nanochat's layout would move, and the
+     Newton-Schulz balance of the matrices' assignment at 8-64 ranks on GPT, Llama and Mixtral shapes.
 
 A shared machine drifts by more than the differences we look for, so every
 variant is warmed up, then all of them run in interleaved rounds (in a rotating
@@ -1079,6 +1081,116 @@ def gpu_tables(device, o, meter, meter_of, peak_flops, host_memory):
     return speed, largest
 
 
+# --------------------------------------------------------------------------- matrix rules: Muon's traffic and balance
+def nanochat_bytes(muon_shapes, adamw_sizes, n, item):
+    """Bytes per step and rank that nanochat's MuonAdamW layout moves for these parameters, counted as engine.comm()
+    counts a ring: each Muon group of K same-shape matrices stacked, padded to a multiple of n, reduce-scattered so
+    each rank owns whole matrices and all-gathered after (each matrix crosses twice); AdamW's reduce-scattered and
+    all-gathered (under 1024 elements: all-reduced, the same bytes)."""
+    b = 0.0
+    for shape, k in collections.Counter(muon_shapes).items():
+        b += 2 * -(-k // n) * n * shape.numel() * (n - 1) / n * item
+    for size in adamw_sizes:
+        b += 2 * size * (n - 1) / n * item
+    return b
+
+
+def muon_job(rank, world, o):
+    """Per step and rank, Muon (update='muon') beside AdamW on the same GPT at stages 1-3, bf16: the bytes
+    (engine.comm()) and the time of step() and of a whole step, interleaved rounds after warm-up."""
+    res, runs = {"comm": {}, "step_ms": {}, "total_ms": {}}, {}
+    for update in ("adamw", "muon"):
+        for stage in (1, 2, 3):
+            model = make_gpt(o["tput_preset"], n_embd=o["tput_embd"])
+            eng = zero.Zero(model, zero.Config(stage=stage, dtype="bf16", update=update, adamw_lr=OPT["lr"], **OPT))
+            runs[update, stage] = (eng, batch(model, o["B"], rank))
+            if update == "muon":            # the split, for nanochat's layout
+                muon = [p for g in eng.optimizer.param_groups if g.get("update") == "muon" for p in g["params"]]
+                ids = {id(p) for p in muon}
+                res["split"] = ([p.shape for p in muon], [p.numel() for p in model.parameters() if id(p) not in ids])
+    for k, (eng, xy) in runs.items():       # warm-up, and the steady state's bytes
+        for _ in range(o["warmup"]):
+            eng.backward(eng(*xy))
+            eng.step()
+        res["comm"][k] = eng.comm()
+        res["step_ms"][k], res["total_ms"][k] = [], []
+    keys = list(runs)
+    for rnd in range(o["rounds"]):
+        for k in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
+            eng, xy = runs[k]
+            dist.barrier()
+            t0 = time.perf_counter()
+            eng.backward(eng(*xy))
+            t1 = time.perf_counter()
+            eng.step()
+            dist.barrier()
+            t2 = time.perf_counter()
+            res["step_ms"][k].append((t2 - t1) * 1e3)
+            res["total_ms"][k].append((t2 - t0) * 1e3)
+    return res
+
+
+GPT2_XL = [[(4800, 1600), (1600, 1600), (6400, 1600), (1600, 6400)]] * 48
+LLAMA_7B = [[(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)]] * 32
+MIXTRAL = [[(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096)] + [(14336, 4096)] * 16 + [(4096, 14336)] * 8] * 32
+GPT2 = [[(2304, 768), (768, 768), (3072, 768), (768, 3072)]] * 12
+
+
+def unit_by_unit(units, n):
+    """The previous engine's Newton-Schulz wall time: per unit, a gather, its matrices assigned greedily (loads
+    carried over), and a wait for its busiest rank."""
+    loads, wall = [0] * n, 0
+    for costs in units:
+        mine = [0] * n
+        for c in sorted(costs, reverse=True):
+            r = loads.index(min(loads))
+            loads[r] += c
+            mine[r] += c
+        wall += max(mine)
+    return wall
+
+
+def report_muon(res, o):
+    print(f"### 6. Matrix rules: Muon beside AdamW, tiny GPT n_embd={o['tput_embd']}, bf16, gloo ranks (B = bytes)\n")
+    print("Per step and rank, engine.comm() (bytes this rank sends, as a ring counts them) after warm-up; the time "
+          f"the median of {o['rounds']} interleaved rounds. Muon's exchange with each matrix's owner: one all-to-all "
+          "to the owners (bf16) and one back (bf16: Muon's update is bf16, exact) a step for the whole model. "
+          "nanochat's layout: its MuonAdamW's reduce-scatter to whole matrices and all-gather, for the same split, "
+          "in the same dtype.\n")
+    rows = []
+    for world, r in sorted(res.items()):
+        shapes, sizes = r["split"]
+        psi_m = sum(s.numel() for s in shapes)
+        nano = nanochat_bytes(shapes, sizes, world, 2)
+        for stage in (1, 2, 3):
+            a, m = (sum(v["bytes"] for v in r["comm"][u, stage].values()) for u in ("adamw", "muon"))
+            ex = sum(v["bytes"] for k, v in r["comm"]["muon", stage].items() if k.startswith("matrix"))
+            step = [statistics.median(r["step_ms"][u, stage]) for u in ("adamw", "muon")]
+            total = [statistics.median(r["total_ms"][u, stage]) for u in ("adamw", "muon")]
+            rows.append([world, stage, f"{a:,}", f"{m:,}", f"{m - a:,} ({ex:,})", f"{6 * psi_m / world:,.0f}",
+                         f"{nano:,.0f}", f"{step[0]:.1f} / {step[1]:.1f}", f"{total[0]:.1f} / {total[1]:.1f}"])
+    table(["ranks", "stage", "AdamW B", "Muon B", "Muon - AdamW (the exchange)", "(2+4) Ψ_muon / N",
+           "nanochat's layout B", "step() ms AdamW / Muon", "whole step ms AdamW / Muon"], rows)
+    print("Newton-Schulz work of the busiest rank over the mean (zero.assign_matrices over every matrix of the model, "
+          "an expert one matrix at a time; cost ns_cost = m²(2n+m)); the bound: the largest matrix, or the mean; "
+          "unit by unit: the previous engine's wall time, each unit waiting for its busiest rank.\n")
+    rows = []
+    for name, units in (("GPT-2 (12 layers)", GPT2), ("GPT-2 XL (48)", GPT2_XL), ("Llama-7B (32)", LLAMA_7B),
+                        ("Mixtral 8x7B (32, experts)", MIXTRAL)):
+        per_unit = [[zero.ns_cost(*s) for s in u] for u in units]
+        costs = [c for u in per_unit for c in u]
+        cells = []
+        for n in (8, 16, 32, 64):
+            loads = [0] * n
+            for c, owner in zip(costs, zero.assign_matrices(costs, n)):
+                loads[owner] += c
+            mean = sum(costs) / n
+            cells.append(f"{max(loads) / mean:.3f} (bound {max(max(costs), mean) / mean:.2f}; unit by unit "
+                         f"{unit_by_unit(per_unit, n) / mean:.1f})")
+        rows.append([name, len(costs)] + cells)
+    table(["shapes", "matrices", "8 ranks", "16", "32", "64"], rows)
+
+
 # --------------------------------------------------------------------------- main
 def section(fn, *a):
     try:
@@ -1139,6 +1251,13 @@ def main():
     section(report_activations, o)
     section(report_offload, o)
     section(report_gpu, quick)
+    try:
+        worlds = (2, 4)
+        if quick:
+            worlds = (2,)
+        section(report_muon, {n: spawn(muon_job, n, (o,), timeout=600) for n in worlds}, o)
+    except Exception as e:
+        print(f"**the Muon jobs failed:**\n```\n{e}\n```\n")
     print(f"bench.py took {time.time() - t0:.0f} s")
 
 

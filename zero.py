@@ -26,7 +26,8 @@ One step, as data flows (the sections below are in this order):
                      gradient is reduced (Unit.reduce: all-reduce at stage 0, reduce-scatter at 1-3), in every
                      micro-batch's backward at stages 2-3, in the last one's at 0-1.
   engine.step        Zero._agree: one all-reduce of the gradient norm and of a fingerprint of every rank's
-                     collectives; then each rule's step on this rank's slice (Flat.update), and at stages
+                     collectives; then each rule's step on this rank's slice (Flat.update; a matrix rule's
+                     on each whole matrix by its owner: MatrixStep, one exchange for the model), and at stages
                      1-2 an all-gather of the updated slices (stage 3 gathers at the next forward; offload
                      runs the update on a host thread, HostWorker, behind that forward).
 
@@ -79,9 +80,9 @@ class Config:
     dtype: str = "bf16"             # compute: "fp32" | "bf16" | "fp16"
     reduce_dtype: str = ""          # gradient reductions and sums: "" = dtype | "fp32"
     frozen_dtype: str = ""          # frozen parameters: "" = dtype | "fp32" (cast when gathered)
-    update: str = "adamw"           # "adamw" | "muon": Muon on the matrices, AdamW on the rest (RULES)
+    update: str = "adamw"           # a rule of RULES: "adamw" | "muon" (a matrix rule: AdamW on the rest)
     lr: float = 3e-4                # the update's (a scheduler on engine.optimizer changes it)
-    adamw_lr: float = 3e-4          # update="muon": the lr of the AdamW group
+    adamw_lr: float = 3e-4          # update=a matrix rule ("muon"): the lr of the AdamW groups
     betas: tuple = (0.9, 0.95)      # AdamW's
     eps: float = 1e-8               # AdamW's
     weight_decay: float = 0.1       # decoupled; with no param groups, on parameters of >= 2 dims
@@ -116,7 +117,7 @@ class Config:
             (not isinstance(k, bool) and not (isinstance(k, int) and k >= 1),
              f"checkpoint={k!r}: use False, True, or k >= 1 (every k-th unit)"),
             (self.offload and stage == 0, "offload=True needs stage 1, 2 or 3"),
-            (self.update not in ("adamw", "muon"), f"update={self.update!r}: use 'adamw' or 'muon'"),
+            (self.update not in RULES, f"update={self.update!r}: use {' or '.join(map(repr, RULES))}"),
             (not (min(self.lr, self.adamw_lr, self.weight_decay, self.grad_clip) >= 0 and self.eps > 0),
              "lr, adamw_lr, weight_decay and grad_clip must be >= 0, eps > 0"),
             (len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas),
@@ -230,6 +231,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_reduce = dist.all_reduce
 _broadcast = dist.broadcast
+_all_to_all = dist.all_to_all_single
 
 
 def _reduce_scatter(out, inp, group=None, async_op=True):
@@ -452,6 +454,17 @@ class Comm:
 
     def all_gather(self, out, inp, kind="all_gather", sync=True, tag=None):   # inp may be in out
         return self._launch(_all_gather, "shard", kind, out, 1, tag, sync, out, inp)
+
+    def all_to_all(self, out, inp, out_splits, in_splits, kind):
+        # uneven pieces to and from each rank of the shard group (a matrix rule's exchange with the
+        # matrices' owners), counted as this rank sends them: all but its own piece
+        group = self.groups["shard"]        # (process group, size)
+        self.count(kind, sum(in_splits) - in_splits[self.shard_rank], inp.element_size())
+        self.trace.append((kind, None))
+        if group[1] == 1:
+            out.copy_(inp)
+            return None
+        return _all_to_all(out, inp, out_splits, in_splits, group=group[0], async_op=True)
 
     def broadcast(self, t):                 # the setup: every rank starts from the first's values
         pg, n = self.groups["world"]
@@ -697,11 +710,12 @@ class LossScaler:
 # -----------------------------------------------------------------------------
 # 4. Update rules: the optimizer table
 #
-# An update rule is one entry of RULES: the state it keeps beside each fp32 master, its param group keys,
-# and its step on a Flat's owned slice. AdamW's step is memory-bound on that slice: on CUDA torch's
-# fused AdamW runs it; on the CPU a C kernel (built once into ~/.cache/zero_py; with no compiler, a
-# warning and torch's) does torch's operations in one pass that also reads a bf16 gradient and writes
-# the bf16 weights.
+# An update rule is one entry of RULES (Rule): the state it keeps beside each fp32 master, its param group
+# keys, their checks, and its step: on a Flat's owned slice (elementwise), or on each whole matrix by the
+# rank that owns it (a matrix rule, MatrixStep in section 5). AdamW's step is memory-bound on that
+# slice: on CUDA torch's fused AdamW runs it; on the CPU a C kernel (built once into ~/.cache/zero_py;
+# with no compiler, a warning and torch's) does torch's operations in one pass that also reads a bf16
+# gradient and writes the bf16 weights.
 ADAMW_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -913,7 +927,7 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=Non
             out[a:b].copy_(master[a:b])
 
 
-def _adamw(f, runs, groups, mult, out, net, tag):
+def _adamw(f, runs, groups, mult, out):
     # AdamW on a Flat's owned slice, each run (a, b, group, step) with its group's values as they are now
     hyper = []
     for a, b, j, step in runs:
@@ -923,32 +937,79 @@ def _adamw(f, runs, groups, mult, out, net, tag):
     adamw_runs(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], hyper, mult, out)
 
 
+def _elementwise(f, runs, groups, mult, out):
+    # a rule's one function, run by run on a Flat's owned slice: the gradient in fp32 times the step's
+    # multiplier (unscale, clip), each state's slice, the group's values as they are now, the step count
+    master = f.state["master"]
+    for a, b, j, step in runs:
+        grad = f.grad_shard[a:b].float() * mult     # a new tensor: the rule may write into it
+        state = {k: f.state[k][a:b] for k in f.rule.states}
+        f.rule.step(master[a:b], grad, state, groups[j], step)
+        if out is not None:
+            out[a:b].copy_(master[a:b])
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """An update rule: all the engine knows of an optimizer, in one place. Its state is fp32, 4 bytes a
-    parameter per name in `states`; a new elementwise optimizer is one entry and its step function."""
-    name: str                       # a param group's "update"; a checkpoint records it per buffer
-    states: tuple                   # the state beside the fp32 master, each the owned slice's size
+    """An update rule: all the engine knows of an optimizer, in one place. An elementwise rule is one
+    function on 1-D fp32 slices of the owned shard, writing in place: step(master, grad, state, group,
+    step), `state` its named states' slices. A matrix rule is one function on each whole matrix,
+    whole(matrix, state, group, step) -> update, run by the rank that owns the matrix (MatrixStep: the
+    engine's assignment, exchange, views and owner state), with elementwise parts on the slices before
+    it (what the owner gets) and after it (the master updated); they also take the matrix's (rows,
+    cols), on which a scale often depends. A new optimizer is one entry and its functions."""
+    name: str                       # a param group's "update", Config.update; checkpoints record it
+    states: tuple                   # fp32 states shaped as the parameters, sharded as the master is
     keys: tuple                     # the param group keys it reads, besides "params" and "update"
     defaults: object                # Config -> the values of those keys, for groups that omit them
-    step: object                    # step(flat, runs, groups, mult, out, net, tag): the slice updated
-    matrices: bool                  # it steps whole matrices (>= 2 dims), a collective per buffer
+    check: object = None            # group -> what is wrong with its values ("sets k=v: use ..."), or None
+    step: object = None             # elementwise: step(master, grad, state, group, step)
+    flat_step: object = None        # (flat, runs, groups, mult, out): a faster form of step (AdamW's)
+    whole: object = None            # matrix: whole(matrix, state, group, step) -> update, on its owner
+    before: object = None           # matrix: (master, grad, state, group, step, shape) -> what is sent
+    after: object = None            # matrix: (master, update, state, group, step, shape), in place
+    owner_states: object = None     # matrix: (rows, cols) -> {name: shape} of fp32 state its owner keeps
+    sends: tuple = (torch.bfloat16, torch.float32)   # matrix: dtypes to the owners, and updates back
+    offload: bool = True            # runs on offload's host thread (False: offload=True is refused)
+
+    @property
+    def matrices(self):             # a matrix rule: whole matrices, each stepped by its owner
+        return self.whole is not None
+
+    @property
+    def state_bytes(self):          # per parameter, for estimate_memory (owner state: a few per matrix)
+        return 4 * len(self.states)
+
+
+def _nonnegative(g, keys):
+    # "sets lr=-1: use values >= 0" for those of these keys below 0, else None
+    bad = [f"{k}={g[k]}" for k in keys if not g[k] >= 0]
+    if bad:
+        return f"sets {', '.join(bad)}: use values >= 0"
+    return None
 
 
 def _adamw_defaults(cfg):
-    lr = cfg.lr                         # (update="muon": Config.lr is Muon's)
-    if cfg.update == "muon":
+    lr = cfg.lr                         # (update= a matrix rule: Config.lr is that rule's)
+    if RULES[cfg.update].matrices:
         lr = cfg.adamw_lr
     return dict(lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
+def _adamw_check(g):
+    betas = g["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        return f"sets betas={betas!r}: use two numbers in [0, 1)"
+    if not g["eps"] > 0:
+        return f"sets eps={g['eps']}: use eps > 0"
+    return _nonnegative(g, ("lr", "weight_decay"))
+
+
 # Muon (Keller Jordan, 2024: github.com/KellerJordan/Muon) orthogonalizes each weight matrix's momentum:
 # the update is the nearest semi-orthogonal matrix, found by five Newton-Schulz iterations in bf16, which
-# need the whole matrix. Each matrix is assigned to one rank of the shard group (balanced by its cost,
-# Flat.assign), which orthogonalizes it once for all: the blended momenta's slices are all-gathered in
-# bf16, each rank runs its matrices, and one reduce-scatter of the results (zeros elsewhere: an exact sum)
-# gives every rank its slice. Per step and unit: about two bf16 all-gathers of its matrices; memory: two
-# bf16 copies of one unit's matrices at a time.
+# need the whole matrix. Its rule: the momentum and its Nesterov blend on the slices (before), sent to the
+# matrix's owner in bf16 (Newton-Schulz's first step rounds to it: fp32 would change no bit), orthogonalized
+# and scaled there (whole), whose bf16 result comes back exactly in bf16; decay and update on the slices.
 
 def newton_schulz(g, steps=5):
     """muon.py's zeropower_via_newtonschulz5: the quintic iteration on g / ||g||_F in bf16, on the
@@ -966,64 +1027,46 @@ def newton_schulz(g, steps=5):
     return x
 
 
-def matrix_shape(shape):
-    """The matrices Muon orthogonalizes in a parameter of this shape, as muon.py views it: a 2-D weight
-    itself, a 3-D one (stacked experts) as a batch of matrices, one of more dims (a convolution's) as
-    (out channels, the rest)."""
-    if len(shape) <= 3:
-        return tuple(shape)
-    return (shape[0], math.prod(shape[1:]))
+def _muon_before(master, grad, state, group, step, shape):
+    # the momentum, and its Nesterov blend: what the owner orthogonalizes
+    m = state["momentum_buffer"]
+    m.lerp_(grad, 1 - group["momentum"])
+    if group["nesterov"]:
+        return grad.lerp_(m, group["momentum"])
+    return m
 
 
-def _muon(f, runs, groups, mult, out, net, tag):
-    # Muon on a Flat's owned slice: the momentum, and its Nesterov blend, on the slice; each matrix
-    # orthogonalized by the rank assigned to it, from the blends gathered whole; then decay and update
-    st = f.state
-    # exchanged in bf16, what Newton-Schulz takes first: fp32 would double the bytes and change no bit
-    whole = torch.zeros(f.padded, dtype=torch.bfloat16, device=f.plan.device)
-    mine = whole[f.lo:f.hi]                 # this rank's slice of the blended momenta
-    for a, b, j, _ in runs:
-        g = groups[j]
-        grad = f.grad_shard[a:b].float() * mult
-        m = st["momentum_buffer"][a:b]
-        m.lerp_(grad, 1 - g["momentum"])
-        if g["nesterov"]:
-            mine[a:b] = grad.lerp_(m, g["momentum"])
-        else:
-            mine[a:b] = m
-    sharded = f.hi - f.lo < f.padded        # (stage 0: every rank has every slice)
-    if sharded:
-        net.wait(net.all_gather(whole, mine, "muon_all_gather", sync=False, tag=tag))
-    # a matrix without a gradient on any rank (f.used, agreed) is left alone, its momentum too, as
-    # torch's optimizers leave a parameter whose .grad is None
-    ortho = torch.zeros_like(whole)         # the results of this rank's matrices, zeros elsewhere
-    for i, (p, o) in enumerate(zip(f.params, f.offsets)):
-        if f.ns_rank[i] == f.plan.shard_rank and f.used[i]:
-            x = whole[o:o + p.numel()].view(matrix_shape(p.shape))
-            u = newton_schulz(x, groups[f.group[i]]["ns_steps"])
-            u *= max(1, u.size(-2) / u.size(-1)) ** 0.5
-            ortho[o:o + p.numel()] = u.view(-1)
-    if sharded:
-        net.wait(net.reduce_scatter(ortho[f.lo:f.hi], ortho, "muon_reduce_scatter", False, tag))
-    else:
-        net.wait(net.all_reduce(ortho, "shard", "muon_all_reduce", False, tag))
-    for a, b, j, _ in runs:
-        g = groups[j]
-        master = st["master"][a:b]
-        master.mul_(1 - g["lr"] * g["weight_decay"])
-        master.add_(ortho[f.lo + a:f.lo + b], alpha=-g["lr"])
-        if out is not None:
-            out[a:b].copy_(master)
+def _muon_whole(matrix, state, group, step):
+    u = newton_schulz(matrix, group["ns_steps"])
+    u *= max(1, u.size(-2) / u.size(-1)) ** 0.5     # muon.py's: in bf16, as it returns
+    return u
+
+
+def decoupled_update(master, update, state, group, step, shape):
+    """A matrix rule's `after` as Muon's: decoupled weight decay, then the update at -lr."""
+    master.mul_(1 - group["lr"] * group["weight_decay"])
+    master.add_(update, alpha=-group["lr"])
 
 
 def _muon_defaults(cfg):
     return dict(lr=cfg.lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=cfg.weight_decay)
 
 
+def _muon_check(g):
+    steps = g["ns_steps"]
+    if not (0 <= g["momentum"] < 1 and isinstance(steps, int) and steps >= 1):
+        return (f"sets momentum={g['momentum']}, ns_steps={steps}: use a momentum in [0, 1) and "
+                "ns_steps >= 1")
+    return _nonnegative(g, ("lr", "weight_decay"))
+
+
 RULES = {"adamw": Rule("adamw", ("exp_avg", "exp_avg_sq"), ("lr", "betas", "eps", "weight_decay"),
-                       _adamw_defaults, _adamw, False),
+                       _adamw_defaults, _adamw_check, flat_step=_adamw),
          "muon": Rule("muon", ("momentum_buffer",), ("lr", "momentum", "nesterov", "ns_steps",
-                                                     "weight_decay"), _muon_defaults, _muon, True)}
+                                                     "weight_decay"), _muon_defaults, _muon_check,
+                      whole=_muon_whole, before=_muon_before, after=decoupled_update,
+                      sends=(torch.bfloat16, torch.bfloat16), offload=False)}
+VIEW_KEYS = ("view", "transposed")  # a matrix rule's group may say how its tensors are matrices
 
 
 # -----------------------------------------------------------------------------
@@ -1043,7 +1086,7 @@ class Flat:
     buffer padded to equal shards for the collectives that move it. build() fills it and makes the
     tensors beside it (TENSORS: what memory() counts each as); its methods are their only writers."""
 
-    def __init__(self, named_params, plan, rule=None, groups=None, sharded=False, dtype=None):
+    def __init__(self, named_params, plan, rule=None, groups=None, sharded=False, dtype=None, views=None):
         self.plan = plan                    # what the stage keeps, and where
         self.rule = rule                    # the update rule of its parameters (None: frozen)
         self.trainable = rule is not None   # holds trainable parameters, or frozen ones
@@ -1082,7 +1125,18 @@ class Flat:
         self.steps = [0] * len(sizes)       # the rule's steps (AdamW's bias correction)
         self.group = list(groups or [0] * len(sizes))   # its param group
         self.used = [False] * len(sizes)    # a gradient came on some rank for this step
-        self.ns_rank = [None] * len(sizes)  # Muon: the shard rank that orthogonalizes it
+        # a matrix rule's matrices, in order: each parameter's view (matrices, rows, cols, transposed)
+        # as laid out (_param_groups), one Matrix per matrix of it (an expert tensor's one per expert)
+        self.matrices = []
+        for i, (count, rows, cols, transposed) in enumerate(views or []):
+            if rows * cols == 0:            # a parameter of no elements: no matrix
+                continue
+            for e in range(count):
+                name = self.names[i]
+                if count > 1:
+                    name = f"{name}[{e}]"
+                start = self.offsets[i] + e * rows * cols
+                self.matrices.append(Matrix(self, i, start, (rows, cols), transposed, name))
         self.written = set()                # those whose gradient is in grad
         self.got = set()                    # those whose gradient came since the last step
         # what build() makes
@@ -1244,28 +1298,18 @@ class Flat:
     def set_steps(self, steps):
         self.steps = list(steps)
 
-    def assign(self, loads):
-        # a rule of whole matrices: each parameter's to the shard rank with the least work so far
-        # (loads, per rank, the Newton-Schulz cost assigned: ~ rows x cols x min(rows, cols) per
-        # matrix), largest first
-        if not self.rule.matrices:
-            return
-        # the loads carry over from buffer to buffer: one unit's exchange waits for its slowest rank,
-        # and the next unit's matrices go first to the ranks this one left idle
-        costs = [p.numel() * min(matrix_shape(p.shape)[-2:]) for p in self.params]
-        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-            self.ns_rank[i] = loads.index(min(loads))
-            loads[self.ns_rank[i]] += costs[i]
-
-    def update(self, runs, groups, mult, copies, net, tag):
-        # the rule's step on the owned slice; offload on CUDA writes the pinned staging copy first,
-        # then copies the runs to the device (a parameter without a gradient keeps its value)
+    def update(self, runs, groups, mult, copies):
+        # an elementwise rule's step on the owned slice; offload on CUDA writes the pinned staging copy
+        # first, then copies the runs to the device (a parameter without a gradient keeps its value)
         if copies is not None:              # its gradient on the host; the last copy out of staging
             copies.sync(self.d2h_event, self.h2d_event)
         out = self.out
         if self.staging is not None:
             out = self.staging
-        self.rule.step(self, runs, groups, mult, out, net, tag)
+        if self.rule.flat_step is not None:
+            self.rule.flat_step(self, runs, groups, mult, out)
+        else:
+            _elementwise(self, runs, groups, mult, out)
         if self.staging is not None:
             self.h2d_event = copies.to_device([(self.out[a:b], self.staging[a:b]) for a, b, _, _ in runs])
 
@@ -1415,12 +1459,14 @@ class Unit:
 
     # -- the update
     def update(self, mult, runs, groups):
-        # the rules' steps on the owned slices, no collective (offload: on the worker's thread)
+        # the elementwise rules' steps on the owned slices, no collective (offload: on the worker's
+        # thread); the engine's MatrixStep steps the matrix rules' Flats, all units' at once
         whole = self.plan.shards_params and self.phase not in (FREED, STALE)
         assert not whole, f"{self.name} is whole across an update"
         copies = self.worker.copies if self.worker is not None else None
         for f, rs in zip(self.trains, runs):
-            f.update(rs, groups, mult, copies, self.net, self.index)
+            if not f.rule.matrices:
+                f.update(rs, groups, mult, copies)
 
     def start_update(self, mult, runs, groups):
         # offload: the update queued on the worker's thread; the next gather of this unit waits
@@ -1445,6 +1491,211 @@ class Unit:
             raise RuntimeError("zero: the offload update failed") from e
         for f in self.trains:
             self.worker.copies.order(f.h2d_event)
+
+
+# -- matrix rules: each matrix stepped whole, once, by the rank that owns it
+
+# One matrix of a matrix rule: parameter i of `flat`, laid out as `shape` from element `start` of its
+# buffer (transposed: the matrix the rule sees is its transpose, as an (in, out) layout asks); `name`
+# keys its owner state in a checkpoint
+Matrix = collections.namedtuple("Matrix", "flat i start shape transposed name")
+
+
+def ns_cost(rows, cols):
+    """A Newton-Schulz iteration's multiply-adds on a rows x cols matrix, m the smaller side and n the
+    larger: X Xᵀ (m·m·n), its square (m³), that times X (m·m·n)."""
+    m = min(rows, cols)
+    return m * m * (2 * max(rows, cols) + m)
+
+
+def assign_matrices(costs, ranks):
+    """Each matrix (by its cost) to one of `ranks`, the largest first, each to the rank with the least
+    work so far (LPT: within 4/3 of the best balance); ties go to the lower rank, the same everywhere."""
+    loads = [(0, r) for r in range(ranks)]      # a heap of (work so far, rank)
+    owners = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        least = heapq.heappop(loads)
+        owners[k] = least[1]
+        heapq.heappush(loads, (least[0] + costs[k], least[1]))
+    return owners
+
+
+def _oriented(m):
+    # the (rows, cols) a rule sees of matrix m
+    if m.transposed:
+        return m.shape[::-1]
+    return m.shape
+
+
+class MatrixStep:
+    """A matrix rule's step over the whole model, once a step. Each matrix is owned by one rank of the
+    shard group (assign_matrices over all the model's matrices, by Newton-Schulz cost), which keeps its
+    owner state and runs the rule's `whole` on it. Every rank runs `before` on its slices of the
+    matrices; one all-to-all sends each owner its pieces (in the rule's dtype: bf16); the owners run
+    `whole`; one all-to-all sends each rank its pieces of the updates; every rank runs `after`. A rank
+    of N with a slice of S matrix elements sends (2 + 4) bytes x S x (N - 1)/N or so (Muon: 2 + 2),
+    waits for no unit's slowest rank, and holds its slices and the matrices it owns. Stage 0 (and one
+    rank): every matrix is whole in the rank's slice; each rank steps all of them, one at a time, as it
+    runs AdamW on the whole model (no exchange; the owner state on every rank, as all of stage 0's)."""
+
+    def __init__(self, rule, flats, plan, net):
+        self.rule = rule
+        self.plan = plan
+        self.net = net                      # the shard group's all-to-all, counted in the ledger
+        self.matrices = [m for f in flats for m in f.matrices]  # the model's, one order on every rank
+        self.owner = assign_matrices([ns_cost(*m.shape) for m in self.matrices], plan.shards)
+        self.exchange = plan.shards_optim and plan.shards > 1   # else every matrix is this rank's
+        me = plan.shard_rank
+        self.send_splits = [0] * plan.shards    # elements this rank sends each rank ...
+        self.recv_splits = [0] * plan.shards    # ... and gets from each
+        pieces = []                         # (k, a, b, owner, offset in what goes to it)
+        parts = {}                          # k -> [(source rank, offset in what comes from it, n)]
+        for k, m in enumerate(self.matrices):
+            f = m.flat
+            end = m.start + m.shape[0] * m.shape[1]
+            owner = me
+            bounds = [(me, m.start, end)]   # (rank, a, b): the matrix's [a, b) in that rank's slice
+            if self.exchange:
+                owner = self.owner[k]
+                size = f.hi - f.lo          # each rank's slice of the buffer
+                ranks = range(m.start // size, (end - 1) // size + 1)
+                bounds = [(r, max(m.start, r * size), min(end, r * size + size)) for r in ranks]
+            for r, a, b in bounds:
+                if r == me:                 # this rank's piece, to the owner
+                    pieces.append((k, a - f.lo, b - f.lo, owner, self.send_splits[owner]))
+                    self.send_splits[owner] += b - a
+                if owner == me:             # the owner's, from rank r
+                    parts.setdefault(k, []).append((r, self.recv_splits[r], b - a))
+                    self.recv_splits[r] += b - a
+        sent = [0, *itertools.accumulate(self.send_splits)]     # where each rank's part starts
+        got = [0, *itertools.accumulate(self.recv_splits)]
+        self.pieces = [(k, a, b, sent[r] + at) for k, a, b, r, at in pieces]   # (k, a, b, offset)
+        self.parts = {k: [(got[r] + at, n) for r, at, n in ps] for k, ps in parts.items()}
+        self.owned = {}                     # k -> the owner state of each matrix this rank steps
+        for k in self.parts:
+            shapes = {}
+            if rule.owner_states is not None:
+                shapes = rule.owner_states(*_oriented(self.matrices[k]))
+            self.owned[k] = {n: torch.zeros(s, device=plan.device) for n, s in shapes.items()}
+
+    def step(self, groups, mult):
+        """The rule on every matrix with a gradient, with the groups' values as they are now and the
+        step's multiplier (unscale, clip)."""
+        rule = self.rule
+        dev = self.plan.device
+        if not self.exchange:               # each matrix whole here: one at a time, nothing in flight
+            for k, a, b, _ in self.pieces:
+                sent = self._before(k, a, b, groups, mult)
+                if sent is not None:
+                    update = self._whole(k, sent.to(rule.sends[0], copy=True), groups)
+                    self._after(k, a, b, update.to(rule.sends[1]), groups)
+            return
+        send = torch.zeros(sum(self.send_splits), dtype=rule.sends[0], device=dev)
+        for k, a, b, at in self.pieces:
+            sent = self._before(k, a, b, groups, mult)
+            if sent is not None:
+                send[at:at + b - a] = sent
+        recv = torch.empty(sum(self.recv_splits), dtype=send.dtype, device=dev)
+        work = self.net.all_to_all(recv, send, self.recv_splits, self.send_splits, "matrix_to_owners")
+        self.net.wait(work)
+        updates = torch.zeros(len(recv), dtype=rule.sends[1], device=dev)
+        for k, parts in self.parts.items():
+            m = self.matrices[k]
+            if not m.flat.used[m.i]:
+                continue
+            update = self._whole(k, torch.cat([recv[at:at + n] for at, n in parts]), groups)
+            done = 0
+            for at, n in parts:             # back where each piece came from
+                updates[at:at + n] = update[done:done + n]
+                done += n
+        back = torch.empty(len(send), dtype=updates.dtype, device=dev)
+        work = self.net.all_to_all(back, updates, self.send_splits, self.recv_splits, "matrix_from_owners")
+        self.net.wait(work)
+        for k, a, b, at in self.pieces:
+            self._after(k, a, b, back[at:at + b - a], groups)
+
+    def _before(self, k, a, b, groups, mult):
+        # the rule's part before the exchange on this rank's piece [a, b) of matrix k: what it sends
+        # (the gradient, by default), or None where no rank had a gradient: a matrix left alone, its
+        # state too, as torch's optimizers leave a parameter whose .grad is None
+        m = self.matrices[k]
+        f = m.flat
+        if not f.used[m.i]:
+            return None
+        grad = f.grad_shard[a:b].float() * mult     # a new tensor: the rule may write into it
+        if self.rule.before is None:
+            return grad
+        state = {n: f.state[n][a:b] for n in self.rule.states}
+        return self.rule.before(f.state["master"][a:b], grad, state, groups[f.group[m.i]],
+                                f.steps[m.i], _oriented(m))
+
+    def _whole(self, k, x, groups):
+        # the rule's `whole` on matrix k from its elements as laid out; its update, flat, as laid out
+        m = self.matrices[k]
+        x = x.view(m.shape)
+        if m.transposed:
+            x = x.mT
+        update = self.rule.whole(x, self.owned[k], groups[m.flat.group[m.i]], m.flat.steps[m.i])
+        if m.transposed:
+            update = update.mT
+        return update.reshape(-1)
+
+    def _after(self, k, a, b, update, groups):
+        # the rule's part after the exchange on this rank's piece of matrix k; the 16-bit copy written
+        m = self.matrices[k]
+        f = m.flat
+        if not f.used[m.i]:
+            return
+        master = f.state["master"][a:b]
+        state = {n: f.state[n][a:b] for n in self.rule.states}
+        self.rule.after(master, update.float(), state, groups[f.group[m.i]], f.steps[m.i], _oriented(m))
+        if f.out is not None:
+            f.out[a:b].copy_(master)
+
+    def held(self):                         # the owner state's tensors (memory() counts them)
+        return [t for state in self.owned.values() for t in state.values()]
+
+    def files(self):
+        # which rank's checkpoint file holds each matrix's owner state: its owner's in shard group 0
+        if self.rule.owner_states is None:
+            return {}
+        return {m.name: self.owner[k] for k, m in enumerate(self.matrices)}
+
+    def to_save(self):
+        # this rank's owner states by matrix name, for its checkpoint file (stage 0: of the matrices
+        # assigned to it, of which every rank holds a copy)
+        me = self.plan.shard_rank
+        return {self.matrices[k].name: {n: t.cpu() for n, t in state.items()}
+                for k, state in self.owned.items() if state and self.owner[k] == me}
+
+    def read(self, files):
+        """The owner state of each matrix this rank steps, by name, from the checkpoint file its saver
+        wrote it in (at any world size: a matrix's state goes to its new owner)."""
+        where = files.meta.get("matrices", {})
+        out = {}
+        for k, state in self.owned.items():
+            name = self.matrices[k].name
+            if not state:
+                continue
+            saved = {}
+            if name in where:
+                saved = files.get(where[name], "matrices", name)   # checked as read
+            shapes = {n: list(t.shape) for n, t in saved.items()}
+            if shapes != {n: list(t.shape) for n, t in state.items()}:
+                raise ValueError(f"zero: the checkpoint's {self.rule.name} state of '{name}' is "
+                                 f"{shapes or 'missing'}, the engine's {list(state)} of "
+                                 f"{_oriented(self.matrices[k])}: load it with the view it was saved with")
+            out[k] = saved
+        return out
+
+    def load(self, saved):
+        # each owned matrix's state from read()'s, or fresh (load_state_dict: the rules start again)
+        for k, state in self.owned.items():
+            for n, t in state.items():
+                if k in saved:
+                    t.copy_(saved[k][n])
+                else:
+                    t.zero_()
 
 
 def _regather(units):
@@ -2045,10 +2296,12 @@ _torch_clip, _torch_compile = torch.nn.utils.clip_grad_norm_, torch.compile   # 
 
 def _param_groups(model, cfg, param_groups, optimizer):
     """torch's param groups over the model's trainable parameters, checked: each parameter in one
-    group, each group with the keys of its rule (its "update": RULES), the rest from Config; those
-    in no group get Config's values, weight decay on >= 2 dims only. Made from param_groups, or
-    shared with a torch Adam/AdamW (its schedulers then drive the engine). Returns the groups and
-    each parameter's group, by identity."""
+    group, each group with the keys of its rule (its "update": RULES), the rest from Config, and its
+    values as the rule checks them; those in no group get Config's rule (a matrix rule: on the
+    matrices _module_views takes by default, AdamW at adamw_lr on the rest), weight decay on >= 2 dims
+    only. Made from param_groups, or shared with a torch Adam/AdamW (its schedulers then drive the
+    engine). Returns the groups, each parameter's group, and each matrix rule parameter's view
+    (_matrix_view), by identity."""
     adopt = optimizer is not None
     if adopt and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(f"zero.Zero: optimizer={type(optimizer).__name__}; zero steps AdamW: "
@@ -2066,10 +2319,13 @@ def _param_groups(model, cfg, param_groups, optimizer):
         if rule is None:
             raise ValueError(f"zero.Zero: param_groups[{j}] has update={g['update']!r}; use one "
                              f"of {list(RULES)}")
-        unknown = sorted(set(g) - {"params", "update", *rule.keys, *TORCH_DEFAULTS, *TORCH_ANY})
+        keys = list(rule.keys)
+        if rule.matrices:                   # its group may say how its tensors are matrices
+            keys += VIEW_KEYS
+        unknown = sorted(set(g) - {"params", "update", *keys, *TORCH_DEFAULTS, *TORCH_ANY})
         if unknown:
             raise ValueError(f"zero.Zero: param_groups[{j}] has unknown keys {unknown}; zero's "
-                             f"{rule.name} takes {['params', *rule.keys]} (other keys at torch's "
+                             f"{rule.name} takes {['params', *keys]} (other keys at torch's "
                              "defaults)")
         bad = [f"{k}={g[k]}" for k, v in TORCH_DEFAULTS.items() if g.get(k, v) != v]
         adam_l2 = type(optimizer) is torch.optim.Adam and not g.get("decoupled_weight_decay")
@@ -2099,42 +2355,116 @@ def _param_groups(model, cfg, param_groups, optimizer):
         names = [name[id(p)] for p in rest[:5]]
         raise ValueError(f"zero.Zero: {names} require grad but are in no param group of the "
                          "optimizer; add them to it, or freeze them before zero.Zero")
-    if adopt and cfg.update == "muon":
-        raise ValueError("zero.Zero: update='muon' with optimizer=: a torch Adam/AdamW's groups "
-                         "leave nothing to Muon; pass param_groups with 'update': 'muon', or no "
-                         "optimizer")
-    # parameters in no group: Config's values, weight decay on >= 2-D ones only; update="muon":
-    # Muon on the matrices but the embeddings (and what is tied to them) and the output head (the
-    # last nn.Linear, as in nanoGPT and Hugging Face's models), AdamW at adamw_lr on the rest
-    muon = dict(params=[], update="muon", **RULES["muon"].defaults(cfg))
-    if cfg.update == "muon":
-        skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        if linears:
-            skip.add(id(linears[-1].weight))
-        muon["params"] = [p for p in rest if p.dim() >= 2 and id(p) not in skip]
-        rest = [p for p in rest if p.dim() < 2 or id(p) in skip]
-    decayed = dict(params=[p for p in rest if p.dim() >= 2], **RULES["adamw"].defaults(cfg))
-    not_decayed = dict(decayed, params=[p for p in rest if p.dim() < 2], weight_decay=0.0)
-    for g in (muon, decayed, not_decayed):
+    if adopt and cfg.update != "adamw":
+        raise ValueError(f"zero.Zero: update={cfg.update!r} with optimizer=: a torch Adam/AdamW's "
+                         f"groups leave nothing to {cfg.update}; pass param_groups with 'update': "
+                         f"{cfg.update!r}, or no optimizer")
+    # parameters in no group: Config's rule with Config's values, weight decay on >= 2-D ones only; a
+    # matrix rule on the matrices the modules say (as in nanoGPT and Hugging Face's models: not the
+    # embeddings, nor the head), AdamW at adamw_lr on the rest
+    module_views = _module_views(model)
+    main = RULES[cfg.update]
+    elementwise = main                      # the rule of the rest
+    matrices = dict(params=[], update=main.name, **main.defaults(cfg))
+    if main.matrices:
+        matrices["params"] = [p for p in rest if module_views.get(id(p), (None, False))[1]]
+        rest = [p for p in rest if not module_views.get(id(p), (None, False))[1]]
+        elementwise = RULES["adamw"]
+    decayed = dict(params=[p for p in rest if p.dim() >= 2], **elementwise.defaults(cfg))
+    if elementwise.name != "adamw":         # (AdamW's groups need no "update")
+        decayed["update"] = elementwise.name
+    not_decayed = dict(decayed, params=[p for p in rest if p.dim() < 2])
+    if "weight_decay" in not_decayed:
+        not_decayed["weight_decay"] = 0.0
+    for g in (matrices, decayed, not_decayed):
         if g["params"]:
             groups.append(g)
             group_of.update(dict.fromkeys(map(id, g["params"]), len(groups) - 1))
-    for j, g in enumerate(groups):          # Muon's matrices on the device
-        if g.get("update") != "muon":
+    views = {}                              # id(p) -> its view, for a matrix rule's parameters
+    for j, g in enumerate(groups):
+        rule = RULES[g.get("update", "adamw")]
+        if cfg.offload and not rule.offload:
+            raise ValueError(f"zero.Zero: {rule.name!r} with offload=True: that rule runs on the "
+                             "device only; use offload=False, or another update rule")
+        _check_group("zero.Zero", j, g)
+        if not rule.matrices:
             continue
-        if cfg.offload:
-            raise ValueError("zero.Zero: Muon with offload=True: its Newton-Schulz runs on whole "
-                             "matrices on the device; use offload=False, or update='adamw'")
-        flat = [name[id(p)] for p in g["params"] if p.dim() < 2]
-        if flat:
-            raise ValueError(f"zero.Zero: param_groups[{j}] is Muon's, which steps matrices, but "
-                             f"holds {flat[:5]} of fewer than 2 dims: give them an AdamW group")
-        steps = g["ns_steps"]
-        if not (0 <= g["momentum"] < 1 and isinstance(steps, int) and steps >= 1):
-            raise ValueError(f"zero.Zero: param_groups[{j}] sets momentum={g['momentum']}, "
-                             f"ns_steps={steps}: use a momentum in [0, 1) and ns_steps >= 1")
-    return groups, group_of
+        for p in g["params"]:
+            views[id(p)] = _matrix_view(j, g, p, module_views.get(id(p)), name[id(p)], rule)
+    return groups, group_of, views
+
+
+def _check_group(prefix, j, g):
+    # a group's values as its rule checks them: at the build, and at each step (a scheduler's writes)
+    rule = RULES[g.get("update", "adamw")]
+    problem = None
+    if rule.check is not None:
+        problem = rule.check(g)
+    if problem:
+        raise ValueError(f"{prefix}: param_groups[{j}] {problem}")
+
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _module_views(model):
+    """Which parameters are matrices, as their modules say: id(p) -> ((matrices, rows, cols, transposed)
+    as laid out, whether a matrix rule takes it by default). An nn.Linear's weight is (out, in); a
+    convolution's filters (out, in·∏k); nn.MultiheadAttention's input projections a matrix; Hugging
+    Face's Conv1D (GPT-2) weight (in, out), transposed; a tensor of >= 3 dims of no convolution a batch
+    of matrices over its leading dims (stacked experts). Not by default: the embeddings, the head (the
+    last nn.Linear) and what is tied to them, a tensor whose leading dim is 1 (ViT's pos_embed and
+    cls_token), 2-dim tensors that are no module's weight (gpt-oss's expert biases, Mamba's A_log)."""
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if linears:
+        skip.add(id(linears[-1].weight))
+    out = {}
+    for m in model.modules():
+        for n, p in m.named_parameters(recurse=False):
+            shape = p.shape
+            if id(p) in out or p.dim() < 2:
+                continue
+            weight = n == "weight" or isinstance(m, nn.MultiheadAttention) and n.endswith("proj_weight")
+            view = (math.prod(shape[:-2]), shape[-2], shape[-1], False)   # a batch, or one matrix
+            default = (p.dim() >= 3 and shape[0] != 1) or (p.dim() == 2 and weight)
+            if isinstance(m, CONVS) and n == "weight":
+                view = (1, shape[0], p.numel() // shape[0], False)
+                default = True
+            elif type(m).__name__ == "Conv1D" and n == "weight":   # transformers' (in, out) Linear
+                view = (1, shape[0], shape[1], True)
+            out[id(p)] = (view, default and id(p) not in skip)
+    return out
+
+
+def _matrix_view(j, g, p, module_view, name, rule):
+    """How a matrix rule's parameter is matrices: (matrices, rows, cols, transposed) as laid out. Its
+    group's "view" ("matrix": (dim 0, the rest); "batch": a batch over the leading dims; a shape of its
+    elements, its last two the matrix), else its module's (_module_views), else a batch (2 dims: one);
+    "transposed": True for an (in, out) layout."""
+    view = g.get("view")
+    shape = list(p.shape)
+    out = None
+    if view is None and module_view is not None:
+        out = module_view[0]
+    elif view in (None, "batch") and len(shape) >= 2:
+        out = (math.prod(shape[:-2]), shape[-2], shape[-1], False)
+    elif view == "matrix" and len(shape) >= 2:
+        out = (1, shape[0], p.numel() // shape[0], False)
+    elif isinstance(view, (tuple, list)) and len(view) >= 2 and math.prod(view) == p.numel():
+        out = (math.prod(view[:-2]), view[-2], view[-1], False)
+    if out is None and view is None:
+        raise ValueError(f"zero.Zero: param_groups[{j}] is {rule.name}'s, which steps matrices, but "
+                         f"holds ['{name}'] of fewer than 2 dims: give them an AdamW group")
+    if out is None:
+        raise ValueError(f"zero.Zero: param_groups[{j}] sets view={view!r}, which does not fit "
+                         f"'{name}' of shape {shape}: use 'matrix', 'batch' or a shape of "
+                         f"{p.numel()} elements")
+    transposed = g.get("transposed", out[3])
+    if not isinstance(transposed, bool):
+        raise ValueError(f"zero.Zero: param_groups[{j}] sets transposed={transposed!r}: use True "
+                         "for an (in, out) layout, else False")
+    return (*out[:3], transposed)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -2144,7 +2474,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, groups, optimizer=None):
         self.engine = engine                # whose step this step() is
-        super().__init__(groups, RULES["adamw"].defaults(engine.cfg))
+        super().__init__(groups, {})        # torch would give every group these: each has its rule's keys
+        self.defaults = RULES["adamw"].defaults(engine.cfg)   # what torch's cyclic schedulers look for
         if optimizer is not None:           # the script's optimizer, now driven by the engine
             def step(closure=None):
                 optimizer._opt_called = True    # what torch's LR schedulers look for
@@ -2267,7 +2598,7 @@ class Zero:
         if not any(p.requires_grad for _, p in named):
             raise ValueError("zero.Zero: the model has no trainable parameters "
                              "(requires_grad=True)")
-        groups, group_of = _param_groups(self.module, cfg, param_groups, optimizer)
+        groups, group_of, views = _param_groups(self.module, cfg, param_groups, optimizer)
         members = [[] for _ in unit_modules] + [[]]    # the last: the root
         for n, p in named:
             members[owner.get(id(p), -1)].append((n, p))
@@ -2289,7 +2620,10 @@ class Zero:
             for (rule, dtype), part in sorted(split.items(), key=lambda kv: kv[0][0] is None):
                 sharded = plan.shards_params or (rule is not None and plan.shards_optim)
                 part_groups = [group_of.get(id(p), 0) for _, p in part]
-                flats.append(Flat(part, plan, rule, part_groups, sharded, dtype))
+                part_views = None           # a matrix rule's: how each parameter is matrices
+                if rule is not None and rule.matrices:
+                    part_views = [views[id(p)] for _, p in part]
+                flats.append(Flat(part, plan, rule, part_groups, sharded, dtype, part_views))
             if flats:                       # a block without parameters is no unit
                 name = self.names.get(id(m)) or "root"
                 u = Unit(len(self.units), m, name, flats, plan, net, self.worker, m is self.module)
@@ -2297,9 +2631,11 @@ class Zero:
                 self.units.append(u)
         self.root = unit_of.get(id(self.module))   # the root's unit, or None
         self.trained = [u for u in self.units if u.trains]   # the units with trainable parameters
-        loads = [0] * plan.shards           # Muon: each shard rank's Newton-Schulz work
-        for f in (f for u in self.units for f in u.trains):
-            f.assign(loads)
+        # each matrix rule's step over the whole model: its matrices assigned to the shard ranks
+        by_rule = {}                        # rule name -> its Flats, in unit order
+        for f in (f for u in self.trained for f in u.trains if f.rule.matrices):
+            by_rule.setdefault(f.rule.name, []).append(f)
+        self.matrix_steps = [MatrixStep(fs[0].rule, fs, plan, net) for fs in by_rule.values()]
         self.owned = {id(p) for u in self.units for p in u.params}   # every parameter, by identity
         self.sched = s = Schedule(self.units, plan, net)   # the one order of the collectives
         self.optimizer = ZeroOptimizer(self, groups, optimizer)   # torch's face of the rules
@@ -2601,13 +2937,16 @@ class Zero:
         if clip > 0:
             mult = min(1.0, clip / (norm + 1e-6))
         mult /= self.scaler.scale * self.plan.divide[1]
-        self.step_count += 1
-        self.scaler.adjust(overflow=False)
-        self.sched.before_update()
-        # the groups' values as they are now: a scheduler changes them once step() returns, before
+        # the groups' values as they are now, each checked by its rule before anything changes (a
+        # scheduler's bad value is named): a scheduler changes them once step() returns, before
         # offload's update runs. A parameter without a gradient on any rank is left untouched, its
         # step count too, as torch's optimizers leave it
         groups = [dict(g) for g in self.optimizer.param_groups]
+        for j, g in enumerate(groups):
+            _check_group("zero", j, g)
+        self.step_count += 1
+        self.scaler.adjust(overflow=False)
+        self.sched.before_update()
         used = iter(self.used)              # per trained parameter, Flat by Flat
         trained = self.trained
         runs = {}                           # unit index -> each trainable Flat's calls
@@ -2628,6 +2967,8 @@ class Zero:
         else:
             for u in trained:
                 u.update(mult, runs[u.index], groups)
+            for m in self.matrix_steps:     # the matrix rules: every unit's matrices at once
+                m.step(groups, mult)
             if self.plan.regathers:
                 _regather([u.stale() for u in trained])
         self.ledger_reset()
@@ -2706,6 +3047,8 @@ class Zero:
                 if st.nbytes() and st.data_ptr() not in seen:
                     seen.add(st.data_ptr())
                     out[where][kind] += st.nbytes()
+        for m in self.matrix_steps:         # a matrix rule's owner state, of the matrices it owns
+            out["device"]["optim"] += sum(t.untyped_storage().nbytes() for t in m.held())
         return out
 
     def pinned_memory(self):
@@ -2783,6 +3126,8 @@ class Zero:
         self.step_count = step_count
         for f in (f for u in self.units for f in u.flats):
             f.set_steps([steps.get(n, 0) for n in f.names])
+        for m in self.matrix_steps:         # the owner state starts fresh (load() then reads it)
+            m.load({})
 
     def _filled(self, names):
         # what a load filled no longer counts as uninitialized (None: everything)
@@ -2978,7 +3323,7 @@ def _aliases(model):
 # Each file is written under a temporary name, then renamed: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loads slice the layout: any world size and stage loads it.
 
-FORMAT = "zero.py-checkpoint-5"             # 5: each rank file's tensors' checksums, inside it
+FORMAT = "zero.py-checkpoint-5"             # 5: tensors checksummed in each file; matrix owner state
 OLD = ("zero.py-checkpoint-4", "zero.py-checkpoint-3", "zero.py-checkpoint-2")   # checked whole at load
 READS = (FORMAT, *OLD)                      # 4: each buffer's update rule; 3: AdamW; 2: no alignment
 
@@ -3076,6 +3421,8 @@ def save(engine, path, extra=None):
         dtype = torch.float32 if f.trainable else None      # (None: as held)
         shards[i] = {k: v[a:b].to("cpu", dtype, copy=True) for k, v in f.state.items()}
     blob = dict(flats=shards, rng=torch.get_rng_state())   # each rank's RNG: dropout goes on
+    if net.replica == 0:                    # matrix rules' owner state, in its owners' files
+        blob["matrices"] = {n: v for m in engine.matrix_steps for n, v in m.to_save().items()}
     if engine.device.type == "cuda":        # (a CPU engine makes no CUDA context)
         blob["cuda_rng"] = torch.cuda.get_rng_state(engine.device)
     if net.rank == 0:                       # the buffers are the same on every rank
@@ -3107,6 +3454,7 @@ def save(engine, path, extra=None):
                     stage=cfg.stage, dtype=cfg.dtype, config=dataclasses.asdict(cfg),
                     step=engine.step_count, scaler=engine.scaler.state_dict(), param_groups=groups,
                     flats=layout, state_dict_keys=list(_model_state(engine.module)),
+                    matrices={n: r for m in engine.matrix_steps for n, r in m.files().items()},
                     sha256={f"rank_{r:05d}.pt": s for r, s in enumerate(sums)})
         text = json.dumps(meta, indent=1).encode()
         _write_atomic(os.path.join(d, "meta.json"), lambda f: f.write(text))
@@ -3247,6 +3595,7 @@ def load(engine, path):
     engine.net.call("load")
     engine.settle()
     f = None                                # the checkpoint, once prepare() opened it
+    owned = []                              # per MatrixStep, this rank's matrices' owner state
 
     def prepare():                          # its errors reach every rank through _restore
         nonlocal f
@@ -3269,6 +3618,7 @@ def load(engine, path):
             f.get(engine.rank, "rng")
             f.get(engine.rank, "cuda_rng")
         f.get(0, "extra")
+        owned.extend(m.read(f) for m in engine.matrix_steps)   # by name, from any file
         # by name: a parameter may sit in another unit, offset or shard than when saved
         return (lambda name, p, start, n, key: f.read(name, start, n, key),
                 {k: v for k, v in f.get(0, "buffers").items() if k not in f.saved})
@@ -3277,6 +3627,8 @@ def load(engine, path):
     # the rules' step counts per parameter (AdamW's bias correction), by name like the values
     steps = {p["name"]: p["step"] for x in meta["flats"] for p in x["params"]}
     engine._resume(meta["step"], steps)
+    for m, saved in zip(engine.matrix_steps, owned):
+        m.load(saved)
     engine.scaler.load_state_dict(meta["scaler"])
     groups = engine.optimizer.param_groups
     if len(meta["param_groups"]) == len(groups):   # each group's values as saved
@@ -3370,7 +3722,7 @@ def consolidate(path):
 
 def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, shard_group=0,
                     frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1, num_tensors=0,
-                    device="cuda", muon_params=0):
+                    device="cuda", muon_params=0, rule_params=None):
     """The ZeRO paper's model-state bytes per rank: params and grads in the compute dtype (grads in
     fp32 with reduce_dtype="fp32"), fp32 master (none in fp32 compute) and two fp32 Adam moments,
     each sharded by the stage across the shard group; frozen parameters in the compute dtype
@@ -3378,7 +3730,8 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, 
     num_params as the engine holds them (num_params(padded=True)) is exact; as the model has them,
     num_tensors (trainable tensors) adds the padding's bound: < 16 bytes before each tensor, N x 16
     after each unit. Offload on CUDA (device="cuda") pins the owned 16-bit slice on the host too.
-    muon_params: of num_params, those Muon steps (one fp32 state, not AdamW's two: RULES)."""
+    rule_params: {rule name: of num_params, those it steps}, each rule's state_bytes a parameter (the
+    rest AdamW's); muon_params: Muon's (one fp32 state, not AdamW's two)."""
     c = Config(stage, dtype, reduce_dtype, frozen_dtype).validate()
     n = (stage and shard_group) or world_size   # the ranks a stage shards over: the shard group's
     p = DTYPES[c.dtype].itemsize            # bytes per parameter
@@ -3387,8 +3740,12 @@ def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, 
     align = 16 // p                         # elements (see Flat)
     psi = num_params + num_tensors * (align - 1 + n * align - 1)
     per = [n if stage >= s else 1 for s in range(4)]   # each stage divides one more kind by N
-    state = 4 * len(RULES["adamw"].states) * (psi - muon_params)   # fp32 state bytes of the rules
-    state += 4 * len(RULES["muon"].states) * muon_params
+    stepped = dict(rule_params or {})       # rule name -> parameters; AdamW steps the rest
+    if muon_params:
+        stepped["muon"] = muon_params
+    state = RULES["adamw"].state_bytes * (psi - sum(stepped.values()))   # the rules' fp32 state
+    for rule, k in stepped.items():
+        state += RULES[rule].state_bytes * k
     dev = dict(params=p * psi / per[3], grads=g * psi / per[2], master=master * psi / per[1],
                optim=state / per[1], frozen=p * frozen_params / per[3])
     if c.frozen_dtype:                      # in fp32, and at stages 0-2 a compute copy beside

@@ -1890,7 +1890,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
 def _overlap_case(rank, world):
     h, out = NcclLike(), {}
     for stage in range(4):
-        engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=stage, dtype="fp32", waits="nccl"))
+        engine = zero.Zero(make_model(n_blocks=4), zero.Config(stage=stage, dtype="fp32"))
         seen = {"launch": [], "finish": []}  # units whose gradients have not come yet, at each launch / finish
         for verb, name, u in ((v, n, u) for v, n in (("launch", "reduce"), ("finish", "finish_reduce"))
                               for u in engine.units):
@@ -2249,8 +2249,10 @@ class NcclLike:
         self.real = {n: getattr(zero, n) for n in ("_all_gather", "_reduce_scatter", "_all_reduce", "_broadcast")}
         for n, fn in self.real.items():
             setattr(zero, n, self._wrap(n, fn))
+        zero.STREAM_WAITS = True            # the engine waits as on NCCL: stream-ordered, never timed
 
     def close(self):
+        zero.STREAM_WAITS = False
         for n, fn in self.real.items():
             setattr(zero, n, fn)
 
@@ -2391,7 +2393,7 @@ def _nccl_cases(rank, world, cases, steps, per):
     for name, stage, accum, offload in cases:
         build, batches, loss_of = NCCL_MODELS[name]
         torch.manual_seed(0)
-        cfg = zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=accum, offload=offload, waits="nccl",
+        cfg = zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=accum, offload=offload,
                           timeout_s=60)
         engine = zero.Zero(build(), cfg)
         probe = Probe(engine, h)
@@ -5333,7 +5335,7 @@ def _store_skew(rank, world, rate):
         xs, ys = make_batches(1, 2 * world)
         engine.backward(engine(xs[0, 2 * rank:2 * rank + 2], ys[0, 2 * rank:2 * rank + 2])["loss"])
         engine.step()
-        net = engine.net
+        net = engine.net.calls          # the engine's call checks (section 13)
         store, counted = net.store, CountingStore(net.store)
         net.store = counted
         dist.barrier()

@@ -48,20 +48,31 @@ frees R. Every rank runs these ops in this order whatever its data: a rank that 
 frees it where the table says.
 """
 
+
 import argparse, atexit, collections, contextlib, ctypes, dataclasses, datetime  # noqa: E401
 import functools, hashlib, heapq, itertools, json, math, mmap, os, platform, queue, shutil  # noqa: E401
 import subprocess, tempfile, threading, time, warnings, weakref, zlib  # noqa: E401
 from concurrent.futures import Future, ThreadPoolExecutor
+
 
 import torch, torch.distributed as dist, torch.nn as nn  # noqa: E401
 from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint as recompute
 
+
+# =============================================================================
+# Part I: the core. What a stage 1-3 step with fp16, recompute and offload runs, in the order data flows
+# =============================================================================
+
+
 # -----------------------------------------------------------------------------
 # 1. Config, and the Plan made from it
 
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 # torch's names and dtypes are taken too (nanoGPT's dtype="bfloat16", torch.float16)
 _DTYPE_NAMES = {**{k: k for k in DTYPES}, "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
                 **{v: k for k, v in DTYPES.items()}}
@@ -97,7 +108,6 @@ class Config:
     hysteresis: int = 2             # fp16: overflows tolerated before it starts halving
     min_loss_scale: float = 1.0     # fp16: its floor
     timeout_s: float = 300.0        # every process group the engine makes ends a hang after this
-    waits: str = "auto"             # "nccl" stream-ordered | "gloo" timed CPU | "auto" by backend
     check_calls: bool = False       # compare calls across ranks (or TORCH_DISTRIBUTED_DEBUG=DETAIL)
 
     def validate(self):
@@ -129,9 +139,7 @@ class Config:
             (not (isinstance(self.prefetch, int) and self.prefetch >= 0),
              f"prefetch={self.prefetch!r}: use an integer >= 0, the units gathered ahead "
              "(True: 1, False: 0)"),
-            (self.timeout_s <= 0 or self.waits not in ("auto", "nccl", "gloo"),
-             f"timeout_s={self.timeout_s!r}, waits={self.waits!r}: "
-             "use seconds > 0; auto, nccl or gloo"))
+            (not self.timeout_s > 0, f"timeout_s={self.timeout_s!r}: use seconds > 0"))
         for bad, what in checks:
             if bad:
                 raise ValueError(f"zero.Config: {what}")
@@ -201,11 +209,13 @@ def divide_factors(n):
     pre = 1 << (math.isqrt(n).bit_length() - 1)
     return pre, n / pre
 
+
 # -----------------------------------------------------------------------------
 # 2. Distributed setup and collectives
 #
 # All-reduce (stage 0's gradients), reduce-scatter (a sum over ranks, each keeping its slice) and
 # all-gather (each rank's slice to all) carry ZeRO, one call per flat buffer; on one rank, copies.
+
 
 def init_distributed(timeout_s=300.0):
     """Join the torchrun job of RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
@@ -244,11 +254,7 @@ def _reduce_scatter(out, inp, group=None, async_op=True):
 
 _GROUPS = {}    # (ranks, purpose, world, timeout) -> process group, made once per process, shared
 _SERIALS = {}   # ranks -> a counter of the engines made on them, the same on each
-POLL_S = 1.0    # a CPU wait this long compares the ranks' calls in the store (a call made alone)
-STORE_RATE = 2000   # requests a second to the store that all ranks' long waits make together, at most (one
-                    # TCPStore, torchrun's rendezvous store too, served about 22k a second here)
-RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls one rank may make alone
-CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
+STREAM_WAITS = False    # True: stream-ordered waits on gloo too, as NCCL's (the suite's NCCL harness)
 EVERY_RANK = (
     "every rank calls forward (stage 3 or offload), backward, step, full_state_dict, "
     "load_state_dict, save and load together (HF generate() at stage 3: synced_gpus=True)")
@@ -283,24 +289,15 @@ class Comm:
     """The engine's process groups, made with timeout_s: `shard` (gathers and reductions on one
     communicator, as FSDP2: one order, trivially), `replica` (hybrid: the reduced shard summed
     across shard groups), `world` (the step's all-reduce, the setup, objects; the shard group
-    without hybrid). Launches are asynchronous, counted in the ledger as a ring sends them and
-    traced for the step's agreement. The ranks agree through agree() (one all-reduce, an explanation
-    only where they differ) and, for a call one rank may make alone, through the store (call())."""
+    without hybrid). Launches are asynchronous, counted in the ledger (section 14) as a ring sends
+    them and traced for the step's agreement. The ranks agree through agree() (one all-reduce, an
+    explanation only where they differ); a wait that runs long compares the ranks' calls (section 13)."""
 
     def __init__(self, cfg, group=None):
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)   # of each group made, each wait
-        self.ledger = {}                    # kind -> (calls, elements, bytes) since the last step
-        self.apart = {}                     # the same, of the calls between steps (RARE) since then
-        self.between = False                # the calls counted now are a RARE call's
         self.trace = []                     # (kind, unit) of each launch and call since last step
         self.held = 0                       # bytes of parameter buffers allocated now ...
         self.peak = 0                       # ... and at most
-        self.calls = collections.Counter()  # this rank's calls by name (forward, backward, ...)
-        self.log = collections.deque(maxlen=64)   # the last of them, (n, name): the n-th call made
-        self.posted = 0                     # n of the last call posted to the store (long waits)
-        self.checked = []                   # the store keys of the last call checked there
-        debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
-        self.check_calls = cfg.check_calls or debug     # every call checked through the store
         self.ranks = [0]                    # the group's ranks, global numbers
         self.rank = 0                       # this rank's place in them
         parent = None                       # the group (None: the default one), once initialized
@@ -311,8 +308,7 @@ class Comm:
         self.world = len(self.ranks)        # how many ranks
         self.device = _device_of(parent)    # where the collectives' tensors live
         # NCCL's untimed wait orders streams, the CPU runs ahead; gloo's blocks the CPU, timed
-        on_gpu = self.device.type == "cuda"
-        self.stream_waits = cfg.waits == "nccl" or (cfg.waits == "auto" and on_gpu)
+        self.stream_waits = STREAM_WAITS or self.device.type == "cuda"
         k = cfg.shard_group or self.world   # (stage 0: 0, all ranks)
         if self.world % k:
             raise ValueError(f"zero.Config: shard_group={k} does not divide the {self.world} "
@@ -322,15 +318,11 @@ class Comm:
         self.replica = self.rank // k       # this rank's shard group ...
         self.shard_rank = self.rank % k     # ... and its place in it
         self.groups = self._make_groups(group, cfg.timeout_s)   # purpose -> (process group, size)
-        serial = next(_SERIALS.setdefault(tuple(self.ranks), itertools.count()))
-        self.prefix = f"zero/{'-'.join(map(str, self.ranks))[:64]}/{serial}"   # of the store keys
-        self.store = None                   # the default group's store, where calls are checked
-        if self.world > 1:
-            with contextlib.suppress(Exception):
-                self.store = dist.distributed_c10d._get_default_store()
-            # NCCL makes a communicator at its first call: here, not at peak memory (each once)
-            for pg in {id(g): g for g, n in self.groups.values() if n > 1}.values():
-                self.wait(_all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True))
+        self.ledger = Ledger()              # what each kind of collective moved (section 14)
+        self.calls = Calls(self, cfg)       # this rank's calls, compared with the others' (section 13)
+        # NCCL makes a communicator at its first call: here, not at peak memory (each once)
+        for pg in {id(g): g for g, n in self.groups.values() if n > 1}.values():
+            self.wait(_all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True))
 
     def _make_groups(self, group, timeout_s):
         # NCCL splits sub-groups from a device-bound default group, which all its ranks must join
@@ -341,7 +333,7 @@ class Comm:
             raise ValueError("zero.Zero: hybrid sharding on group= under init_process_group("
                              "device_id=...): init without device_id, or pass no group")
         sets = {"shard": [self.ranks[i:i + k] for i in range(0, self.world, k)]}
-        if hybrid:
+        if hybrid:                          # section 11
             sets.update(replica=[self.ranks[j::k] for j in range(k)], world=[self.ranks])
         groups = {}
         for purpose, members in sets.items():
@@ -357,31 +349,24 @@ class Comm:
         groups.setdefault("world", groups["shard"])
         return groups
 
-    def count(self, kind, elems, elem_size):
-        ledger = self.ledger
-        if self.between:                    # a state dict's, a save's, a load's: not the step's
-            ledger = self.apart
-        calls, e, b = ledger.get(kind, (0, 0, 0))
-        ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
-
     def drop_groups(self):                  # at exit: the process groups are destroyed next
         self.groups = {}
 
     def new_step(self):
-        # what the step moved, by kind, as comm() reports it, and under "between_steps" what the calls
-        # between it and the step before moved; the ledgers and the trace start again
-        moved = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.ledger.items()}
-        if self.apart:
-            moved["between_steps"] = {k: dict(calls=c, elements=e, bytes=b)
-                                      for k, (c, e, b) in self.apart.items()}
-        self.ledger = {}
-        self.apart = {}
+        # what the step moved, by kind (comm()); the ledger and the trace start again
         self.trace = []
-        return moved
+        return self.ledger.new_step()
 
     def count_held(self, nbytes):           # parameter buffer bytes allocated (> 0) or freed (< 0)
         self.held += nbytes
         self.peak = max(self.peak, self.held)
+
+    def call(self, what, check=False):
+        # a collective-taking call (forward, backward, step, save ...): traced for the step's
+        # agreement, counted apart in the ledger where it is a rare one, checked where asked
+        self.trace.append((what, None))
+        self.ledger.call(what)
+        self.calls.call(what, check)
 
     def wait(self, work, cpu=False):
         """The collective done: on NCCL the stream waits and the CPU goes on, unless `cpu` (its
@@ -408,34 +393,27 @@ class Comm:
                                f"{EVERY_RANK}")
         if error is not None or why is not None:
             raise RuntimeError(f"zero: a collective failed or did not finish in {self.timeout}: "
-                               f"another rank died, stalled or made other calls ({self.report()}); "
-                               f"if slow, raise Config.timeout_s; {EVERY_RANK}") from error
-
-    def pace(self):
-        """Seconds between a waiting rank's store requests, on average: at most STORE_RATE a second
-        from N ranks waiting at once, whatever N (20 a second from each of a few)."""
-        return max(0.05, self.world / STORE_RATE)
+                               f"another rank died, stalled or made other calls "
+                               f"({self.calls.report()}); if slow, raise Config.timeout_s; "
+                               f"{EVERY_RANK}") from error
 
     def until(self, done):
-        """Wait for done(seconds) -> finished within them, up to timeout_s, in slices of POLL_S
-        (longer past STORE_RATE / 8 ranks): after each, this rank's calls are posted to the store
-        and ranks 0 and 1's read, so that ranks whose n-th calls differ (one made a call alone)
-        learn it in seconds. Returns None when done, "" at the timeout, else how the calls differ.
-        A wait under POLL_S touches no store."""
+        """Wait for done(seconds) -> finished within them, up to timeout_s, in slices: after each the
+        ranks' calls are compared (Calls.compare), so that ranks whose n-th calls differ (one made a
+        call alone) learn it in seconds. Returns None when done, "" at the timeout, else how the
+        calls differ. A wait shorter than a slice touches no store."""
         end = time.monotonic() + self.timeout.total_seconds()
-        # a comparison asks the store up to 4 times (a post, two checks, a read): half of the pace
-        every = max(POLL_S, 8 * self.pace())
-        while not done(min(every, max(end - time.monotonic(), 0.01))):
+        while not done(min(self.calls.slice(), max(end - time.monotonic(), 0.01))):
             if time.monotonic() >= end:
                 return ""
-            differ = self.compare()
+            differ = self.calls.compare()
             if differ is not None:
                 return differ
         return None
 
     def _launch(self, collective, purpose, kind, t, ring, tag, sync, *tensors):
         pg, n = self.groups.get(purpose, (None, 1))
-        self.count(kind, t.numel() * ring * (n - 1) // n, t.element_size())   # exact: padded to n
+        self.ledger.count(kind, t.numel() * ring * (n - 1) // n, t.element_size())   # exact: padded to n
         self.trace.append((kind, tag))
         if n == 1:                          # one rank: its slice is the whole tensor
             if len(tensors) == 2 and tensors[0].data_ptr() != tensors[1].data_ptr():
@@ -457,9 +435,9 @@ class Comm:
 
     def all_to_all(self, out, inp, out_splits, in_splits, kind):
         # uneven pieces to and from each rank of the shard group (a matrix rule's exchange with the
-        # matrices' owners), counted as this rank sends them: all but its own piece
+        # matrices' owners, section 10), counted as this rank sends them: all but its own piece
         group = self.groups["shard"]        # (process group, size)
-        self.count(kind, sum(in_splits) - in_splits[self.shard_rank], inp.element_size())
+        self.ledger.count(kind, sum(in_splits) - in_splits[self.shard_rank], inp.element_size())
         self.trace.append((kind, None))
         if group[1] == 1:
             out.copy_(inp)
@@ -499,102 +477,6 @@ class Comm:
             return sums[8:], None
         return sums[8:], self.all_gather_object(explain())
 
-    def call(self, what, check=False):
-        """A collective-taking call, counted and traced. RARE ones, those after eval forwards
-        (`check`), and all with check_calls are first checked in the store (each rank counted in at
-        key n): a collective made alone would pair with another one (gloo aborts, NCCL hangs)."""
-        self.calls[what] += 1
-        self.between = what in RARE         # counted apart until the next training call
-        n = sum(self.calls.values())
-        self.log.append((n, what))
-        self.trace.append((what, None))
-        if self.store is None or not (what in RARE or check or self.check_calls):
-            return
-        key = f"{self.prefix}/call{n}"
-        # polled from 1 ms on, doubling to twice the pace (the other half is until's comparisons)
-        ready = _Poll(functools.partial(self.store.check, [f"{key}/all"]), 1e-3, 2 * self.pace())
-        try:
-            if self.store.add(f"{key}/{what}", 1) == self.world:
-                self.store.set(f"{key}/all", what)
-                self.forget()               # every rank is past the call checked before
-            why = self.until(ready)
-        except Exception:                   # the store gone: its host rank died
-            why = ""
-        self.checked = [f"{key}/{what}", f"{key}/all"]
-        if why:
-            raise RuntimeError(f"zero: {what}() #{n}: the ranks made other calls ({why}); "
-                               f"{EVERY_RANK}")
-        if why is not None:
-            raise RuntimeError(f"zero: {what}() #{n}: the other ranks did not make this call "
-                               f"within {self.timeout} ({self.report()}); {EVERY_RANK}")
-
-    def post(self):
-        # this rank's counts and last calls, for the others to read (a long wait, an error's report)
-        n = sum(self.calls.values())
-        if self.store is not None and self.posted != n:
-            value = json.dumps([dict(self.calls), list(self.log)])
-            self.store.set(f"{self.prefix}/last/{self.rank}", value)
-            self.posted = n
-
-    def forget(self):
-        # the keys of the call this rank checked last, once every rank counted in at a later one (so
-        # all have read them); a store that cannot delete keeps them
-        for key in self.checked:
-            with contextlib.suppress(Exception):
-                self.store.delete_key(key)
-        self.checked = []
-
-    def read(self, ranks):
-        # what each of `ranks` posted, of those that did: a check per key, then one read of them all
-        keys = {r: f"{self.prefix}/last/{r}" for r in ranks}
-        there = [r for r, key in keys.items() if self.store.check([key])]
-        values = _multi_get(self.store, [keys[r] for r in there])
-        return {r: json.loads(v) for r, v in zip(there, values)}
-
-    def compare(self):
-        # this rank's calls against those ranks 0 and 1 posted (a call made alone waits for, or
-        # holds, one of them): the first n-th call that differs, with both ranks' counts, or None
-        if self.store is None:
-            return None
-        with contextlib.suppress(Exception):    # the store gone: its host rank died
-            self.post()
-            mine = dict(self.log)
-            for r, (calls, log) in self.read({0, 1} - {self.rank}).items():
-                for n, what in log:
-                    if n in mine and mine[n] != what:
-                        more = _more_calls({self.rank: self.calls, r: calls})
-                        lo, hi = sorted([(self.rank, mine[n]), (r, what)])
-                        first = f"rank {lo[0]}: {lo[1]}() #{n}, rank {hi[0]}: {hi[1]}() #{n}"
-                        return "; ".join(more + [first])
-        return None
-
-    def report(self):
-        # what each rank called: this rank's counts and last calls posted; rank 0 reads every rank's,
-        # the others ranks 0 and 1's (N ranks each reading N keys would ask the store N^2 times)
-        if self.store is None:
-            return f"rank {self.rank} called " + ", ".join(f"{w}() #{n}" for n, w in self.log)
-        want = {0, 1, self.rank}
-        readers = self.world                # the ranks that may be reading keys like these at once
-        if self.rank == 0:
-            want = set(range(self.world))
-            readers = 1
-        # a round reads what is missing; rank 0 alone, and the others together, at most STORE_RATE
-        # keys a second
-        pause = max(0.05, len(want) * readers / STORE_RATE)
-        seen = {}                           # rank -> what it posted
-        deadline = time.monotonic() + min(3.0, self.timeout.total_seconds() / 2)
-        with contextlib.suppress(Exception):    # the store gone (its host rank died): what was read
-            self.post()
-            while len(seen) < len(want) and time.monotonic() < deadline:
-                seen.update(self.read(want - set(seen)))
-                if len(seen) < len(want):
-                    time.sleep(pause)
-        logs = {r: [f"{w}() #{n}" for n, w in log] for r, (_, log) in seen.items()}
-        last = "; ".join(f"rank {r}: {log[-1]} (after {', '.join(log[-3:-1]) or 'nothing'})"
-                         for r, log in sorted(logs.items())[:8] if log)
-        more = _more_calls({r: c for r, (c, _) in seen.items()})
-        return "; ".join(more + [last or "no rank said more"])
-
 
 def _to_device(host, device):
     # a host tensor on `device`: on CUDA pinned first, then copied behind the work queued so far without
@@ -614,57 +496,12 @@ def _work_done(work, seconds):
         return False
 
 
-class _Poll:
-    """ready() polled, as until() calls it: each call waits up to `seconds` for it, the pause between
-    checks doubling from `pause` to `most` over the whole wait, not from `pause` again at each call.
-    A CUDA event never reached cannot hang the CPU; the store's own timed wait logs a warning at each
-    timeout."""
-
-    def __init__(self, ready, pause, most):
-        self.ready = ready                  # the check: True once done
-        self.pause = pause                  # the next pause ...
-        self.most = most                    # ... doubling up to this
-        self.due = 0.0                      # when the next check is due (time.monotonic)
-
-    def __call__(self, seconds):
-        end = time.monotonic() + seconds
-        while True:
-            now = time.monotonic()
-            if now >= self.due:
-                if self.ready():
-                    return True
-                self.due = now + self.pause
-                self.pause = min(2 * self.pause, self.most)
-            if self.due > end:              # the next check falls in the next call
-                time.sleep(max(0.0, end - now))
-                return False
-            time.sleep(self.due - now)
-
-
-def _multi_get(store, keys):
-    # the values of keys that exist, in one request where the store has multi_get (newer torch)
-    if not keys:
-        return []
-    if hasattr(store, "multi_get"):
-        return store.multi_get(keys)
-    return [store.get(k) for k in keys]
-
-
-def _more_calls(counts):
-    # "rank 1 made 1 forward() more than rank 0", from each rank's counts of its calls
-    out = []
-    for what in CALLS:
-        c = {r: n.get(what, 0) for r, n in counts.items()}
-        lo = min(c, key=c.get, default=None)
-        out += [f"rank {r} made {k - c[lo]} {what}() more than rank {lo}"
-                for r, k in c.items() if k > c[lo]]
-    return out[:4]
-
 # -----------------------------------------------------------------------------
 # 3. Loss scaler
 #
 # fp16 flushes gradients under ~6e-8 to zero: a loss scale lifts them into range; one too large
 # overflows to inf, which the step detects (the norm is not finite) and skips.
+
 
 class LossScaler:
     """DeepSpeed's rule: double after `window` clean steps; on overflow skip the step, and once
@@ -707,102 +544,17 @@ class LossScaler:
         self.clean_steps = sd["clean_steps"]
         self.hysteresis_left = sd["hysteresis_left"]
 
+
 # -----------------------------------------------------------------------------
-# 4. Update rules: the optimizer table
+# 4. Update rules: the optimizer table, and AdamW
 #
 # An update rule is one entry of RULES (Rule): the state it keeps beside each fp32 master, its param group
-# keys, their checks, and its step: on a Flat's owned slice (elementwise), or on each whole matrix by the
-# rank that owns it (a matrix rule, MatrixStep in section 5). AdamW's step is memory-bound on that
-# slice: on CUDA torch's fused AdamW runs it; on the CPU a C kernel (built once into ~/.cache/zero_py;
-# with no compiler, a warning and torch's) does torch's operations in one pass that also reads a bf16
-# gradient and writes the bf16 weights.
-ADAMW_C = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#ifdef __SSE2__
-#include <emmintrin.h>
-#endif
-#define INLINE static inline __attribute__((always_inline))
-static inline float bf16_in(uint32_t h) { h <<= 16; float f; memcpy(&f, &h, 4); return f; }
-static inline uint16_t bf16_out(float f) {  /* to nearest even, NaN stays NaN: torch's .to() */
-  uint32_t u; memcpy(&u, &f, 4); return f != f ? 0xffff : (u + 0x7fff + ((u >> 16) & 1)) >> 16; }
-typedef struct { float decay, scale, w, b2, w2, nstep, bc2s, eps, hi, lo; } hyper;  /* adamw sets hi, lo */
-/* one parameter as ATen's fused CPU AdamW computes it (-ffp-contract=off: only these fmaf fuse) */
-INLINE float update(int bg, int div, int64_t i, float *p, const void *g, float *m, float *v, hyper h) {
-  const int near = fabsf(h.w) < 0.5f; const float wl = near ? h.w : h.w - 1;  /* torch's lerp */
-  float gi = bg ? bf16_in(((const uint16_t *)g)[i]) : ((const float *)g)[i];  if (div) gi /= h.scale;
-  float mi = fmaf(wl, gi - m[i], near ? m[i] : gi), vi = fmaf(h.w2 * gi, gi, v[i] * h.b2);
-  /* sqrt(vi) / bc2s with no divide (it bounds the loop): q within an ulp, Markstein's fma step rounds it */
-  float s = sqrtf(vi), q = fmaf(s, h.hi, s * h.lo), r = fmaf(-q, h.bc2s, s);   /* s: 0, normal, inf or NaN */
-  float pi = p[i] * h.decay + h.nstep * mi / ((s < INFINITY ? fmaf(r, h.hi, q) : s) + h.eps);
-  p[i] = pi; m[i] = mi; v[i] = vi; return pi; }
-INLINE void body(int bg, int ob, int div, int64_t i, int64_t b, float *restrict p, const void *restrict g,
-    float *restrict m, float *restrict v, uint16_t *restrict out, hyper h) {
-#ifdef __SSE2__  /* out is only written: whole 64-byte lines go by streaming stores, which skip reading */
-  for (; ob && i < b && (uintptr_t)(out + i) % 64; i++) out[i] = bf16_out(update(bg, div, i, p, g, m, v, h));
-  for (uint16_t t[32] __attribute__((aligned(64))); i + 32 <= b; i += 32) {
-    for (int j = 512; j < 544; j += 16)  /* 2 KB ahead: more lines in flight than the hardware keeps */
-      __builtin_prefetch(p + i + j, 1), __builtin_prefetch(m + i + j, 1), __builtin_prefetch(v + i + j, 1),
-      __builtin_prefetch((const char *)g + (i + j) * (bg ? 2 : 4), 0);
-    for (int j = 0; j < 32; j++) t[j] = bf16_out(update(bg, div, i + j, p, g, m, v, h));
-    for (int j = 0; ob && j < 4; j++)
-      _mm_stream_si128((__m128i *)(out + i) + j, _mm_load_si128((__m128i *)t + j));
-  }
-#endif
-  for (; i < b; i++) { float pi = update(bg, div, i, p, g, m, v, h); if (ob) out[i] = bf16_out(pi); } }
-/* kind: bit 0 a bf16 grad, 1 a bf16 out, 2 a grad_mult, each its own loop; *next: the next block to take */
-#define K(k) case k: body(k & 1, k >> 1 & 1, k >> 2, a, b, p, g, m, v, out, h); break;
-void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m, float *v, uint16_t *out,
-           const hyper *hp) {
-  hyper h = *hp; h.hi = 1 / h.bc2s, h.lo = (float)((1 - (double)h.bc2s * h.hi) / h.bc2s);  /* 1 / bc2s */
-  for (int64_t a, b; (a = __atomic_fetch_add(next, 1 << 16, __ATOMIC_RELAXED)) < n;)
-    switch (b = a + (1 << 16) < n ? a + (1 << 16) : n, kind) { K(0) K(1) K(2) K(3) K(4) K(5) K(6) K(7) }
-#ifdef __SSE2__
-  _mm_sfence();  /* streaming stores are weakly ordered: all visible before the caller goes on */
-#endif
-}
-"""
-# -fno-math-errno, -fno-trapping-math vectorise sqrtf and the selects (4x on AVX2); unlike -ffast-math, exact
-ADAMW_FLAGS = "-O3 -march=native -fno-math-errno -fno-trapping-math -ffp-contract=off -shared -fPIC".split()
-MIN_PER_THREAD = 1 << 17    # parameters: waking another thread for fewer costs more than it saves
+# keys, their checks, and its step on a Flat's owned slice. AdamW's step is memory-bound on that slice:
+# on CUDA torch's fused AdamW runs it; on the CPU a C kernel (section 15) does torch's operations in one
+# pass that also reads a bf16 gradient and writes the bf16 weights. Matrix rules (Muon): section 10.
+
+
 CONVERT_CHUNK = 1 << 22     # elements of a 16-bit gradient converted to fp32 at a time, into _scratch[device]
-_kernel, _kernel_lock, _pools, _scratch = [], threading.Lock(), {}, {}   # _kernel: [] untried, [fn] or [None]
-
-
-def _build_kernel():
-    # compile ADAMW_C into the user's cache once per source, compiler and CPU (a shared home must never hand a
-    # -march=native binary to another CPU), and load it
-    cc, cpu = os.environ.get("CC", "cc"), platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:   # what -march=native sees
-        cpu = next((line for line in f if line.startswith(("flags", "Features"))), cpu)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([ADAMW_C, *ADAMW_FLAGS, version, cpu]).encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zero_py")
-    so = os.path.join(cache, f"adamw-{key}.so")
-    if not os.path.exists(so):       # processes starting together each build in a directory of their own
-        os.makedirs(cache, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            r = subprocess.run([cc, *ADAMW_FLAGS, "-o", f"{tmp}/a.so", "-x", "c", "-"], input=ADAMW_C,
-                               capture_output=True, text=True)
-            if r.returncode:
-                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-300:]}")
-            os.replace(f"{tmp}/a.so", so)
-    fn = ctypes.CDLL(so).adamw
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 7, None
-    return fn
-
-
-def _cpu_kernel():
-    # the C kernel, or None where it cannot be built, after one warning saying why: slower, never fatal
-    with _kernel_lock:
-        if not _kernel:
-            try:
-                _kernel.append(_build_kernel())
-            except Exception as e:
-                _kernel.append(None)
-                warnings.warn(f"zero: no C AdamW kernel ({type(e).__name__}: {e}); using torch's (slower)")
-    return _kernel[0]
 
 
 def _host_threads():
@@ -820,42 +572,6 @@ def _host_threads():
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def _parallel(fn, n, args):
-    # fn(*args) here and, for a large n, on pool threads (Python's: the kernel releases the GIL, torch has its
-    # own OpenMP). They take blocks until none is left: one held up does less, and whichever run, all are done
-    k, helpers = min(_host_threads(), n // MIN_PER_THREAD), []
-    if k > 1:
-        with contextlib.suppress(RuntimeError):   # no new threads at interpreter exit: this one does it all
-            pool = _pools.get(os.getpid()) or _pools.setdefault(os.getpid(),
-                                                                ThreadPoolExecutor(os.cpu_count()))
-            helpers = [pool.submit(fn, *args) for _ in range(k - 1)]
-    fn(*args)
-    for h in helpers:
-        h.result()
-
-
-def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult=1.0,
-               out=None):
-    """AdamW on 1-D fp32 tensors as torch's fused kernel computes it, grad_mult (unscale, clip) inside, the
-    new master also into `out`: on the CPU one pass of the C kernel (fp32/bf16 grad and out), else torch's."""
-    if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
-        return _torch_adamw(master, grad, exp_avg, exp_avg_sq,
-                            [(0, master.numel(), lr, beta1, beta2, eps, weight_decay, step)], grad_mult, out)
-    if out is not None and out.dtype == torch.float32:   # fp32 compute with offload
-        adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult)
-        return out.copy_(master)
-    n = master.numel()
-    next_block = ctypes.c_int64(0)          # the next block of 2^16 elements a thread takes
-    bc1 = 1 - beta1 ** step                 # in double, then rounded to float, as torch does
-    bc2 = 1 - beta2 ** step
-    consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
-                                   -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
-    kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
-    ptrs = [t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq)]
-    ptrs.append(out.data_ptr() if out is not None else None)
-    return _parallel(_cpu_kernel(), n, (kind, n, ctypes.addressof(next_block), *ptrs, consts))
-
-
 def adamw_runs(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
     """adamw_step on each run (a, b, lr, beta1, beta2, eps, weight_decay, step) of these tensors: the C kernel
     a run at a time; else torch's fused kernel, a multi-tensor call per hyperparameters (an entry per run)."""
@@ -865,20 +581,6 @@ def adamw_runs(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None)
         out_run = out[a:b] if out is not None else None
         adamw_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, lr, beta1, beta2, eps,
                    weight_decay, grad_mult, out_run)
-
-
-def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
-    # the C kernel's tensors (CPU, fp32 state, an fp32 or bf16 gradient, a bf16 out or an fp32 one copied
-    # after, 1-D of one length), and the kernel built
-    ts = [t for t in (master, grad, exp_avg, exp_avg_sq, out) if t is not None]
-    takes = (torch.float32, torch.bfloat16)
-    if grad.dtype not in takes or out is not None and out.dtype not in takes:
-        return False
-    if not master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32:
-        return False
-    if not all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
-        return False
-    return _cpu_kernel() is not None
 
 
 def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
@@ -1005,68 +707,18 @@ def _adamw_check(g):
     return _nonnegative(g, ("lr", "weight_decay"))
 
 
-# Muon (Keller Jordan, 2024: github.com/KellerJordan/Muon) orthogonalizes each weight matrix's momentum:
-# the update is the nearest semi-orthogonal matrix, found by five Newton-Schulz iterations in bf16, which
-# need the whole matrix. Its rule: the momentum and its Nesterov blend on the slices (before), sent to the
-# matrix's owner in bf16 (Newton-Schulz's first step rounds to it: fp32 would change no bit), orthogonalized
-# and scaled there (whole), whose bf16 result comes back exactly in bf16; decay and update on the slices.
-
-def newton_schulz(g, steps=5):
-    """muon.py's zeropower_via_newtonschulz5: the quintic iteration on g / ||g||_F in bf16, on the
-    transpose where g has more rows than columns."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.bfloat16()
-    if g.size(-2) > g.size(-1):
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(steps):
-        m = x @ x.mT
-        x = a * x + (b * m + c * m @ m) @ x
-    if g.size(-2) > g.size(-1):
-        x = x.mT
-    return x
-
-
-def _muon_before(master, grad, state, group, step, shape):
-    # the momentum, and its Nesterov blend: what the owner orthogonalizes
-    m = state["momentum_buffer"]
-    m.lerp_(grad, 1 - group["momentum"])
-    if group["nesterov"]:
-        return grad.lerp_(m, group["momentum"])
-    return m
-
-
-def _muon_whole(matrix, state, group, step):
-    u = newton_schulz(matrix, group["ns_steps"])
-    u *= max(1, u.size(-2) / u.size(-1)) ** 0.5     # muon.py's: in bf16, as it returns
-    return u
-
-
-def decoupled_update(master, update, state, group, step, shape):
-    """A matrix rule's `after` as Muon's: decoupled weight decay, then the update at -lr."""
-    master.mul_(1 - group["lr"] * group["weight_decay"])
-    master.add_(update, alpha=-group["lr"])
-
-
-def _muon_defaults(cfg):
-    return dict(lr=cfg.lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=cfg.weight_decay)
-
-
-def _muon_check(g):
-    steps = g["ns_steps"]
-    if not (0 <= g["momentum"] < 1 and isinstance(steps, int) and steps >= 1):
-        return (f"sets momentum={g['momentum']}, ns_steps={steps}: use a momentum in [0, 1) and "
-                "ns_steps >= 1")
-    return _nonnegative(g, ("lr", "weight_decay"))
-
-
 RULES = {"adamw": Rule("adamw", ("exp_avg", "exp_avg_sq"), ("lr", "betas", "eps", "weight_decay"),
-                       _adamw_defaults, _adamw_check, flat_step=_adamw),
-         "muon": Rule("muon", ("momentum_buffer",), ("lr", "momentum", "nesterov", "ns_steps",
-                                                     "weight_decay"), _muon_defaults, _muon_check,
-                      whole=_muon_whole, before=_muon_before, after=decoupled_update,
-                      sends=(torch.bfloat16, torch.bfloat16), offload=False)}
-VIEW_KEYS = ("view", "transposed")  # a matrix rule's group may say how its tensors are matrices
+                       _adamw_defaults, _adamw_check, flat_step=_adamw)}
+
+
+def _check_group(prefix, j, g):
+    # a group's values as its rule checks them: at the build, and at each step (a scheduler's writes)
+    rule = RULES[g.get("update", "adamw")]
+    problem = None
+    if rule.check is not None:
+        problem = rule.check(g)
+    if problem:
+        raise ValueError(f"{prefix}: param_groups[{j}] {problem}")
 
 
 # -----------------------------------------------------------------------------
@@ -1074,6 +726,7 @@ VIEW_KEYS = ("view", "transposed")  # a matrix rule's group may say how its tens
 #
 # A unit is a transformer block, or the root (the rest), as FSDP users wrap by hand: the grain of
 # every collective and of stage 3's gathering. Its parameters are views into flat buffers.
+
 
 def find_units(model):
     """Default units: the elements (blocks) of every outermost nn.ModuleList, depth first."""
@@ -1455,7 +1108,7 @@ class Unit:
 
     def to_host(self, f, dev):
         f.to_host(dev, self.worker.copies)
-        self.net.count("d2h", dev.numel(), dev.element_size())
+        self.net.ledger.count("d2h", dev.numel(), dev.element_size())
 
     # -- the update
     def update(self, mult, runs, groups):
@@ -1491,211 +1144,6 @@ class Unit:
             raise RuntimeError("zero: the offload update failed") from e
         for f in self.trains:
             self.worker.copies.order(f.h2d_event)
-
-
-# -- matrix rules: each matrix stepped whole, once, by the rank that owns it
-
-# One matrix of a matrix rule: parameter i of `flat`, laid out as `shape` from element `start` of its
-# buffer (transposed: the matrix the rule sees is its transpose, as an (in, out) layout asks); `name`
-# keys its owner state in a checkpoint
-Matrix = collections.namedtuple("Matrix", "flat i start shape transposed name")
-
-
-def ns_cost(rows, cols):
-    """A Newton-Schulz iteration's multiply-adds on a rows x cols matrix, m the smaller side and n the
-    larger: X Xᵀ (m·m·n), its square (m³), that times X (m·m·n)."""
-    m = min(rows, cols)
-    return m * m * (2 * max(rows, cols) + m)
-
-
-def assign_matrices(costs, ranks):
-    """Each matrix (by its cost) to one of `ranks`, the largest first, each to the rank with the least
-    work so far (LPT: within 4/3 of the best balance); ties go to the lower rank, the same everywhere."""
-    loads = [(0, r) for r in range(ranks)]      # a heap of (work so far, rank)
-    owners = [0] * len(costs)
-    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        least = heapq.heappop(loads)
-        owners[k] = least[1]
-        heapq.heappush(loads, (least[0] + costs[k], least[1]))
-    return owners
-
-
-def _oriented(m):
-    # the (rows, cols) a rule sees of matrix m
-    if m.transposed:
-        return m.shape[::-1]
-    return m.shape
-
-
-class MatrixStep:
-    """A matrix rule's step over the whole model, once a step. Each matrix is owned by one rank of the
-    shard group (assign_matrices over all the model's matrices, by Newton-Schulz cost), which keeps its
-    owner state and runs the rule's `whole` on it. Every rank runs `before` on its slices of the
-    matrices; one all-to-all sends each owner its pieces (in the rule's dtype: bf16); the owners run
-    `whole`; one all-to-all sends each rank its pieces of the updates; every rank runs `after`. A rank
-    of N with a slice of S matrix elements sends (2 + 4) bytes x S x (N - 1)/N or so (Muon: 2 + 2),
-    waits for no unit's slowest rank, and holds its slices and the matrices it owns. Stage 0 (and one
-    rank): every matrix is whole in the rank's slice; each rank steps all of them, one at a time, as it
-    runs AdamW on the whole model (no exchange; the owner state on every rank, as all of stage 0's)."""
-
-    def __init__(self, rule, flats, plan, net):
-        self.rule = rule
-        self.plan = plan
-        self.net = net                      # the shard group's all-to-all, counted in the ledger
-        self.matrices = [m for f in flats for m in f.matrices]  # the model's, one order on every rank
-        self.owner = assign_matrices([ns_cost(*m.shape) for m in self.matrices], plan.shards)
-        self.exchange = plan.shards_optim and plan.shards > 1   # else every matrix is this rank's
-        me = plan.shard_rank
-        self.send_splits = [0] * plan.shards    # elements this rank sends each rank ...
-        self.recv_splits = [0] * plan.shards    # ... and gets from each
-        pieces = []                         # (k, a, b, owner, offset in what goes to it)
-        parts = {}                          # k -> [(source rank, offset in what comes from it, n)]
-        for k, m in enumerate(self.matrices):
-            f = m.flat
-            end = m.start + m.shape[0] * m.shape[1]
-            owner = me
-            bounds = [(me, m.start, end)]   # (rank, a, b): the matrix's [a, b) in that rank's slice
-            if self.exchange:
-                owner = self.owner[k]
-                size = f.hi - f.lo          # each rank's slice of the buffer
-                ranks = range(m.start // size, (end - 1) // size + 1)
-                bounds = [(r, max(m.start, r * size), min(end, r * size + size)) for r in ranks]
-            for r, a, b in bounds:
-                if r == me:                 # this rank's piece, to the owner
-                    pieces.append((k, a - f.lo, b - f.lo, owner, self.send_splits[owner]))
-                    self.send_splits[owner] += b - a
-                if owner == me:             # the owner's, from rank r
-                    parts.setdefault(k, []).append((r, self.recv_splits[r], b - a))
-                    self.recv_splits[r] += b - a
-        sent = [0, *itertools.accumulate(self.send_splits)]     # where each rank's part starts
-        got = [0, *itertools.accumulate(self.recv_splits)]
-        self.pieces = [(k, a, b, sent[r] + at) for k, a, b, r, at in pieces]   # (k, a, b, offset)
-        self.parts = {k: [(got[r] + at, n) for r, at, n in ps] for k, ps in parts.items()}
-        self.owned = {}                     # k -> the owner state of each matrix this rank steps
-        for k in self.parts:
-            shapes = {}
-            if rule.owner_states is not None:
-                shapes = rule.owner_states(*_oriented(self.matrices[k]))
-            self.owned[k] = {n: torch.zeros(s, device=plan.device) for n, s in shapes.items()}
-
-    def step(self, groups, mult):
-        """The rule on every matrix with a gradient, with the groups' values as they are now and the
-        step's multiplier (unscale, clip)."""
-        rule = self.rule
-        dev = self.plan.device
-        if not self.exchange:               # each matrix whole here: one at a time, nothing in flight
-            for k, a, b, _ in self.pieces:
-                sent = self._before(k, a, b, groups, mult)
-                if sent is not None:
-                    update = self._whole(k, sent.to(rule.sends[0], copy=True), groups)
-                    self._after(k, a, b, update.to(rule.sends[1]), groups)
-            return
-        send = torch.zeros(sum(self.send_splits), dtype=rule.sends[0], device=dev)
-        for k, a, b, at in self.pieces:
-            sent = self._before(k, a, b, groups, mult)
-            if sent is not None:
-                send[at:at + b - a] = sent
-        recv = torch.empty(sum(self.recv_splits), dtype=send.dtype, device=dev)
-        work = self.net.all_to_all(recv, send, self.recv_splits, self.send_splits, "matrix_to_owners")
-        self.net.wait(work)
-        updates = torch.zeros(len(recv), dtype=rule.sends[1], device=dev)
-        for k, parts in self.parts.items():
-            m = self.matrices[k]
-            if not m.flat.used[m.i]:
-                continue
-            update = self._whole(k, torch.cat([recv[at:at + n] for at, n in parts]), groups)
-            done = 0
-            for at, n in parts:             # back where each piece came from
-                updates[at:at + n] = update[done:done + n]
-                done += n
-        back = torch.empty(len(send), dtype=updates.dtype, device=dev)
-        work = self.net.all_to_all(back, updates, self.send_splits, self.recv_splits, "matrix_from_owners")
-        self.net.wait(work)
-        for k, a, b, at in self.pieces:
-            self._after(k, a, b, back[at:at + b - a], groups)
-
-    def _before(self, k, a, b, groups, mult):
-        # the rule's part before the exchange on this rank's piece [a, b) of matrix k: what it sends
-        # (the gradient, by default), or None where no rank had a gradient: a matrix left alone, its
-        # state too, as torch's optimizers leave a parameter whose .grad is None
-        m = self.matrices[k]
-        f = m.flat
-        if not f.used[m.i]:
-            return None
-        grad = f.grad_shard[a:b].float() * mult     # a new tensor: the rule may write into it
-        if self.rule.before is None:
-            return grad
-        state = {n: f.state[n][a:b] for n in self.rule.states}
-        return self.rule.before(f.state["master"][a:b], grad, state, groups[f.group[m.i]],
-                                f.steps[m.i], _oriented(m))
-
-    def _whole(self, k, x, groups):
-        # the rule's `whole` on matrix k from its elements as laid out; its update, flat, as laid out
-        m = self.matrices[k]
-        x = x.view(m.shape)
-        if m.transposed:
-            x = x.mT
-        update = self.rule.whole(x, self.owned[k], groups[m.flat.group[m.i]], m.flat.steps[m.i])
-        if m.transposed:
-            update = update.mT
-        return update.reshape(-1)
-
-    def _after(self, k, a, b, update, groups):
-        # the rule's part after the exchange on this rank's piece of matrix k; the 16-bit copy written
-        m = self.matrices[k]
-        f = m.flat
-        if not f.used[m.i]:
-            return
-        master = f.state["master"][a:b]
-        state = {n: f.state[n][a:b] for n in self.rule.states}
-        self.rule.after(master, update.float(), state, groups[f.group[m.i]], f.steps[m.i], _oriented(m))
-        if f.out is not None:
-            f.out[a:b].copy_(master)
-
-    def held(self):                         # the owner state's tensors (memory() counts them)
-        return [t for state in self.owned.values() for t in state.values()]
-
-    def files(self):
-        # which rank's checkpoint file holds each matrix's owner state: its owner's in shard group 0
-        if self.rule.owner_states is None:
-            return {}
-        return {m.name: self.owner[k] for k, m in enumerate(self.matrices)}
-
-    def to_save(self):
-        # this rank's owner states by matrix name, for its checkpoint file (stage 0: of the matrices
-        # assigned to it, of which every rank holds a copy)
-        me = self.plan.shard_rank
-        return {self.matrices[k].name: {n: t.cpu() for n, t in state.items()}
-                for k, state in self.owned.items() if state and self.owner[k] == me}
-
-    def read(self, files):
-        """The owner state of each matrix this rank steps, by name, from the checkpoint file its saver
-        wrote it in (at any world size: a matrix's state goes to its new owner)."""
-        where = files.meta.get("matrices", {})
-        out = {}
-        for k, state in self.owned.items():
-            name = self.matrices[k].name
-            if not state:
-                continue
-            saved = {}
-            if name in where:
-                saved = files.get(where[name], "matrices", name)   # checked as read
-            shapes = {n: list(t.shape) for n, t in saved.items()}
-            if shapes != {n: list(t.shape) for n, t in state.items()}:
-                raise ValueError(f"zero: the checkpoint's {self.rule.name} state of '{name}' is "
-                                 f"{shapes or 'missing'}, the engine's {list(state)} of "
-                                 f"{_oriented(self.matrices[k])}: load it with the view it was saved with")
-            out[k] = saved
-        return out
-
-    def load(self, saved):
-        # each owned matrix's state from read()'s, or fresh (load_state_dict: the rules start again)
-        for k, state in self.owned.items():
-            for n, t in state.items():
-                if k in saved:
-                    t.copy_(saved[k][n])
-                else:
-                    t.zero_()
 
 
 def _regather(units):
@@ -1746,31 +1194,6 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-# torch calls that read no values of a tensor
-METADATA = {"__get__", "__set__", "requires_grad_", "size", "dim", "numel", "stride",
-            "element_size", "is_contiguous", "is_floating_point", "register_hook",
-            "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "storage_offset"}
-_PLAIN = nn.Parameter.__torch_function__    # torch's dispatch, as for any nn.Parameter
-
-
-class _Sharded(nn.Parameter):
-    """A parameter's class while its unit is not WHOLE (first forward: not running). Read in a
-    forward, it is used outside its block: its unit is gathered and kept whole; else, an error."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        prop = getattr(getattr(func, "__self__", None), "__name__", "")   # a __get__'s property
-        if name not in METADATA or prop == "data":      # the call reads values
-            for t in _tensors((args, kwargs)):
-                if type(t) is not _Sharded:
-                    continue
-                sched = t._zero_owner[0]()
-                if sched is not None:       # (None: its engine was dropped: the plain tensor it is)
-                    sched.read_outside(sched.units[t._zero_owner[1]], t._zero_name)
-        return _PLAIN(func, types, args, kwargs or {})
-
-
 def _on_grad(sched, j, k, i, p):
     # held by torch where gc cannot see: the schedule weakly, the unit and Flat by number, or never
     # freed; parameter i of unit j's k-th trainable Flat
@@ -1778,38 +1201,15 @@ def _on_grad(sched, j, k, i, p):
     if s is not None:
         s.on_grad(s.units[j], k, i, p)
 
+
 # -----------------------------------------------------------------------------
-# 6. The schedule: one order of collectives on every rank
+# 6. The schedule: one table every rank walks
 #
 # A rank whose batch skips a block or reaches fewer experts must still pair each collective with
-# the same one everywhere (in one order across communicators, for NCCL): all walk one order.
-
-def _merge(seqs, extra=()):
-    """One order of the nodes (segment, occurrence, unit) of every rank's calls, consistent with
-    each rank's; ties, and `extra` nodes nobody ran, by the node; where they clash, rank 0's."""
-    nodes = list(dict.fromkeys([x for s in seqs for x in s] + list(extra)))
-    after = {x: set() for x in nodes}       # the nodes some rank called right after x
-    before = dict.fromkeys(nodes, 0)        # how many pairs end at x, not placed yet
-    for a, b in {(a, b) for s in seqs for a, b in zip(s, s[1:])}:
-        after[a].add(b)
-        before[b] += 1
-    ready = [x for x in nodes if not before[x]]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        out.append(heapq.heappop(ready))
-        for b in after[out[-1]]:
-            before[b] -= 1
-            if not before[b]:
-                heapq.heappush(ready, b)
-    if len(out) != len(nodes):              # a cycle: the orders clash
-        return list(dict.fromkeys(list(seqs[0]) + nodes))
-    return out
+# the same one everywhere (in one order across communicators, for NCCL): all walk one table.
 
 
 END = 1 << 30                               # a segment's end node sorts after its calls
-
-
 Op = collections.namedtuple("Op", "point kind unit due")   # one step of a walk (see Table)
 
 
@@ -2287,250 +1687,8 @@ class Schedule:
 # all-gather it). The units do each part, the schedule says when; the engine builds them and glues
 # the hooks.
 
-# torch's Adam/AdamW keys that zero's AdamW honours at these values only (TORCH_ANY: at any value)
-TORCH_DEFAULTS = dict(amsgrad=False, maximize=False, capturable=False, differentiable=False)
-TORCH_ANY = {"foreach", "fused", "decoupled_weight_decay", "initial_lr"}
+
 _ENGINES = weakref.WeakSet()  # every live engine: for the check of torch optimizers, and the exit
-_torch_clip, _torch_compile = torch.nn.utils.clip_grad_norm_, torch.compile   # before our patches
-
-
-def _param_groups(model, cfg, param_groups, optimizer):
-    """torch's param groups over the model's trainable parameters, checked: each parameter in one
-    group, each group with the keys of its rule (its "update": RULES), the rest from Config, and its
-    values as the rule checks them; those in no group get Config's rule (a matrix rule: on the
-    matrices _module_views takes by default, AdamW at adamw_lr on the rest), weight decay on >= 2 dims
-    only. Made from param_groups, or shared with a torch Adam/AdamW (its schedulers then drive the
-    engine). Returns the groups, each parameter's group, and each matrix rule parameter's view
-    (_matrix_view), by identity."""
-    adopt = optimizer is not None
-    if adopt and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(f"zero.Zero: optimizer={type(optimizer).__name__}; zero steps AdamW: "
-                         "pass a torch.optim.AdamW (or Adam), or none")
-    name = {id(p): n for n, p in model.named_parameters()}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = list(param_groups or [])       # ours to edit
-    if adopt:
-        groups = optimizer.param_groups     # the same dicts: a change to either is the other's
-    if groups and not isinstance(groups[0], dict):   # a list of tensors: one group
-        groups = [dict(params=groups)]
-    group_of = {}                           # each listed parameter, by identity, to its group
-    for j, g in enumerate(groups):
-        rule = RULES.get(g.get("update", "adamw"))
-        if rule is None:
-            raise ValueError(f"zero.Zero: param_groups[{j}] has update={g['update']!r}; use one "
-                             f"of {list(RULES)}")
-        keys = list(rule.keys)
-        if rule.matrices:                   # its group may say how its tensors are matrices
-            keys += VIEW_KEYS
-        unknown = sorted(set(g) - {"params", "update", *keys, *TORCH_DEFAULTS, *TORCH_ANY})
-        if unknown:
-            raise ValueError(f"zero.Zero: param_groups[{j}] has unknown keys {unknown}; zero's "
-                             f"{rule.name} takes {['params', *keys]} (other keys at torch's "
-                             "defaults)")
-        bad = [f"{k}={g[k]}" for k, v in TORCH_DEFAULTS.items() if g.get(k, v) != v]
-        adam_l2 = type(optimizer) is torch.optim.Adam and not g.get("decoupled_weight_decay")
-        if adam_l2 and g["weight_decay"]:
-            bad.append(f"weight_decay={g['weight_decay']} as Adam's L2 penalty")
-        if bad:
-            raise ValueError(f"zero.Zero: param_groups[{j}] sets {bad}, which zero's AdamW "
-                             "cannot do (other keys at torch's defaults)")
-        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-        for p in ps:
-            # an adopted optimizer may hold frozen parameters: they get no gradient
-            if id(p) not in name or not p.requires_grad and not adopt:
-                what = f"a tensor of shape {tuple(p.shape)} that is not a parameter of the model"
-                if id(p) in name:
-                    what = f"'{name[id(p)]}', which does not require grad"
-                raise ValueError(f"zero.Zero: param_groups[{j}] holds {what}; "
-                                 "list trainable parameters")
-            if group_of.setdefault(id(p), j) != j:
-                raise ValueError(f"zero.Zero: '{name[id(p)]}' is in param_groups "
-                                 f"{group_of[id(p)]} and {j}")
-        if not adopt:                       # torch's copy: each parameter once
-            groups[j] = dict(g, params=list(dict.fromkeys(ps)))
-        for k, v in rule.defaults(cfg).items():
-            groups[j].setdefault(k, v)
-    rest = [p for p in trainable if id(p) not in group_of]
-    if adopt and rest:
-        names = [name[id(p)] for p in rest[:5]]
-        raise ValueError(f"zero.Zero: {names} require grad but are in no param group of the "
-                         "optimizer; add them to it, or freeze them before zero.Zero")
-    if adopt and cfg.update != "adamw":
-        raise ValueError(f"zero.Zero: update={cfg.update!r} with optimizer=: a torch Adam/AdamW's "
-                         f"groups leave nothing to {cfg.update}; pass param_groups with 'update': "
-                         f"{cfg.update!r}, or no optimizer")
-    # parameters in no group: Config's rule with Config's values, weight decay on >= 2-D ones only; a
-    # matrix rule on the matrices the modules say (as in nanoGPT and Hugging Face's models: not the
-    # embeddings, nor the head), AdamW at adamw_lr on the rest
-    module_views = _module_views(model)
-    main = RULES[cfg.update]
-    elementwise = main                      # the rule of the rest
-    matrices = dict(params=[], update=main.name, **main.defaults(cfg))
-    if main.matrices:
-        matrices["params"] = [p for p in rest if module_views.get(id(p), (None, False))[1]]
-        rest = [p for p in rest if not module_views.get(id(p), (None, False))[1]]
-        elementwise = RULES["adamw"]
-    decayed = dict(params=[p for p in rest if p.dim() >= 2], **elementwise.defaults(cfg))
-    if elementwise.name != "adamw":         # (AdamW's groups need no "update")
-        decayed["update"] = elementwise.name
-    not_decayed = dict(decayed, params=[p for p in rest if p.dim() < 2])
-    if "weight_decay" in not_decayed:
-        not_decayed["weight_decay"] = 0.0
-    for g in (matrices, decayed, not_decayed):
-        if g["params"]:
-            groups.append(g)
-            group_of.update(dict.fromkeys(map(id, g["params"]), len(groups) - 1))
-    views = {}                              # id(p) -> its view, for a matrix rule's parameters
-    for j, g in enumerate(groups):
-        rule = RULES[g.get("update", "adamw")]
-        if cfg.offload and not rule.offload:
-            raise ValueError(f"zero.Zero: {rule.name!r} with offload=True: that rule runs on the "
-                             "device only; use offload=False, or another update rule")
-        _check_group("zero.Zero", j, g)
-        if not rule.matrices:
-            continue
-        for p in g["params"]:
-            views[id(p)] = _matrix_view(j, g, p, module_views.get(id(p)), name[id(p)], rule)
-    return groups, group_of, views
-
-
-def _check_group(prefix, j, g):
-    # a group's values as its rule checks them: at the build, and at each step (a scheduler's writes)
-    rule = RULES[g.get("update", "adamw")]
-    problem = None
-    if rule.check is not None:
-        problem = rule.check(g)
-    if problem:
-        raise ValueError(f"{prefix}: param_groups[{j}] {problem}")
-
-
-CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-
-
-def _module_views(model):
-    """Which parameters are matrices, as their modules say: id(p) -> ((matrices, rows, cols, transposed)
-    as laid out, whether a matrix rule takes it by default). An nn.Linear's weight is (out, in); a
-    convolution's filters (out, in·∏k); nn.MultiheadAttention's input projections a matrix; Hugging
-    Face's Conv1D (GPT-2) weight (in, out), transposed; a tensor of >= 3 dims of no convolution a batch
-    of matrices over its leading dims (stacked experts). Not by default: the embeddings, the head (the
-    last nn.Linear) and what is tied to them, a tensor whose leading dim is 1 (ViT's pos_embed and
-    cls_token), 2-dim tensors that are no module's weight (gpt-oss's expert biases, Mamba's A_log)."""
-    skip = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if linears:
-        skip.add(id(linears[-1].weight))
-    out = {}
-    for m in model.modules():
-        for n, p in m.named_parameters(recurse=False):
-            shape = p.shape
-            if id(p) in out or p.dim() < 2:
-                continue
-            weight = n == "weight" or isinstance(m, nn.MultiheadAttention) and n.endswith("proj_weight")
-            view = (math.prod(shape[:-2]), shape[-2], shape[-1], False)   # a batch, or one matrix
-            default = (p.dim() >= 3 and shape[0] != 1) or (p.dim() == 2 and weight)
-            if isinstance(m, CONVS) and n == "weight":
-                view = (1, shape[0], p.numel() // shape[0], False)
-                default = True
-            elif type(m).__name__ == "Conv1D" and n == "weight":   # transformers' (in, out) Linear
-                view = (1, shape[0], shape[1], True)
-            out[id(p)] = (view, default and id(p) not in skip)
-    return out
-
-
-def _matrix_view(j, g, p, module_view, name, rule):
-    """How a matrix rule's parameter is matrices: (matrices, rows, cols, transposed) as laid out. Its
-    group's "view" ("matrix": (dim 0, the rest); "batch": a batch over the leading dims; a shape of its
-    elements, its last two the matrix), else its module's (_module_views), else a batch (2 dims: one);
-    "transposed": True for an (in, out) layout."""
-    view = g.get("view")
-    shape = list(p.shape)
-    out = None
-    if view is None and module_view is not None:
-        out = module_view[0]
-    elif view in (None, "batch") and len(shape) >= 2:
-        out = (math.prod(shape[:-2]), shape[-2], shape[-1], False)
-    elif view == "matrix" and len(shape) >= 2:
-        out = (1, shape[0], p.numel() // shape[0], False)
-    elif isinstance(view, (tuple, list)) and len(view) >= 2 and math.prod(view) == p.numel():
-        out = (math.prod(view[:-2]), view[-2], view[-1], False)
-    if out is None and view is None:
-        raise ValueError(f"zero.Zero: param_groups[{j}] is {rule.name}'s, which steps matrices, but "
-                         f"holds ['{name}'] of fewer than 2 dims: give them an AdamW group")
-    if out is None:
-        raise ValueError(f"zero.Zero: param_groups[{j}] sets view={view!r}, which does not fit "
-                         f"'{name}' of shape {shape}: use 'matrix', 'batch' or a shape of "
-                         f"{p.numel()} elements")
-    transposed = g.get("transposed", out[3])
-    if not isinstance(transposed, bool):
-        raise ValueError(f"zero.Zero: param_groups[{j}] sets transposed={transposed!r}: use True "
-                         "for an (in, out) layout, else False")
-    return (*out[:3], transposed)
-
-
-class ZeroOptimizer(torch.optim.Optimizer):
-    """torch's face of the engine's update rules: the param_groups that LR schedulers and user code
-    write, which every step reads (_param_groups made them); step() is engine.step(). An adopted
-    torch Adam/AdamW shares the groups, and its step() becomes the engine's."""
-
-    def __init__(self, engine, groups, optimizer=None):
-        self.engine = engine                # whose step this step() is
-        super().__init__(groups, {})        # torch would give every group these: each has its rule's keys
-        self.defaults = RULES["adamw"].defaults(engine.cfg)   # what torch's cyclic schedulers look for
-        if optimizer is not None:           # the script's optimizer, now driven by the engine
-            def step(closure=None):
-                optimizer._opt_called = True    # what torch's LR schedulers look for
-                return engine.step()
-            step._wrapped_by_lr_sched = True
-            optimizer.step = step
-            optimizer.zero_grad = self.zero_grad
-            optimizer.state_dict = optimizer.load_state_dict = self.state_dict
-
-    def step(self, closure=None):
-        return self.engine._step()
-
-    def zero_grad(self, set_to_none=True):
-        """Nothing to do: the engine moves each gradient into its flat buffer as it arrives."""
-
-    def state_dict(self, *args, **kwargs):
-        raise RuntimeError("zero: the optimizer's state is in the engine's shards: "
-                           "use zero.save/zero.load")
-
-    load_state_dict = state_dict
-
-
-def _foreign_step(opt, args, kwargs):
-    # a torch optimizer's step of an engine's parameters changes nothing: the engine has the grads
-    ps = (p for g in opt.param_groups for p in g["params"])   # read only if opt is not the engine's
-    if not isinstance(opt, ZeroOptimizer) and any(id(p) in e.owned for p in ps for e in _ENGINES):
-        raise RuntimeError(f"zero: a torch.optim.{type(opt).__name__} is stepping parameters "
-                           "zero.Zero owns, which changes nothing: pass it as "
-                           "zero.Zero(model, cfg, optimizer=opt)")
-
-
-@functools.wraps(_torch_clip)
-def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    # DDP's clip of the engine's parameters, whose gradients are in its shards: the engine's clip
-    ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    owner = next((e for e in _ENGINES for p in ps[:1] if id(p) in e.owned), None)
-    if owner is None:
-        return _torch_clip(ps, max_norm, norm_type, error_if_nonfinite, foreach)
-    trainable = {id(p) for u in owner.units for f in u.trains for p in f.params}
-    if {id(p) for p in ps if p.requires_grad} != trainable:
-        raise ValueError("zero: clip_grad_norm_ takes all the engine's parameters: "
-                         "pass model.parameters()")
-    return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-
-
-def _compile(model=None, **kwargs):
-    # torch.compile(engine) compiles the model inside it (as if before wrapping), returns the engine
-    if isinstance(model, Zero):
-        return model._compiled(**kwargs)
-    return _torch_compile(model, **kwargs)  # (model=None: torch's decorator form)
-
-
-register_optimizer_step_pre_hook(_foreign_step)
-torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
-torch.compile = functools.wraps(_torch_compile)(_compile)
 
 
 @atexit.register
@@ -2899,7 +2057,7 @@ class Zero:
         sq *= float(self.net.replica == 0)
         flags = [u.held for u in self.units]
         flags += [i in f.got for u in trained for f in u.trains for i in range(len(f.params))]
-        mine = (self.net.trace, self.sched.ran, dict(self.net.calls))   # gathered if ranks differ
+        mine = (self.net.trace, self.sched.ran, dict(self.net.calls.counts))   # gathered if they differ
         # the flags go with the fingerprint in one host tensor; the norm stays on the device
         (*rest, global_sq), every = self.net.agree(self.net.trace, lambda: mine, flags, sq.view(1))
         held = rest[:len(self.units)]       # per unit: held whole on some rank
@@ -2963,7 +2121,7 @@ class Zero:
                     u.stale()
                 u.start_update(mult, runs[u.index], groups)
                 for f in u.trains:
-                    self.net.count("h2d", f.hi - f.lo, f.flat.element_size())
+                    self.net.ledger.count("h2d", f.hi - f.lo, f.flat.element_size())
         else:
             for u in trained:
                 u.update(mult, runs[u.index], groups)
@@ -3140,7 +2298,21 @@ class Zero:
                            "use engine.full_state_dict() (every rank calls it) or zero.save(engine, dir)")
 
 
-LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys wrong_shapes")
+def _wide(dtype):
+    # what a value is exported and rebuilt in: fp32 for floats, its own dtype for the rest
+    return torch.float32 if dtype.is_floating_point else dtype
+
+
+def _post_order(module, stop):
+    # module and its descendants, children first (as nn.Module.apply visits), not entering `stop`
+    for child in module.children():
+        if id(child) not in stop:
+            yield from _post_order(child, stop)
+    yield module
+
+
+# -----------------------------------------------------------------------------
+# 8. Offload: the host update's thread, its copies and pinned buffers
 
 
 class Copies:
@@ -3245,14 +2417,6 @@ class HostWorker:
         self.thread.join(self.timeout)
 
 
-def _mismatch(what, missing, unexpected, shapes):
-    # one error for all that does not fit: the names either side lacks, the shapes that differ
-    parts = [f"{k} {v}" for k, v in (("missing", missing), ("unexpected", unexpected),
-                                     ("shapes differ:", shapes)) if v]
-    if parts:
-        raise ValueError(f"zero: {what} " + "; ".join(parts))
-
-
 PINNED = {"grad_shard": "grads", "staging": "params"}   # offload's pinned state: its memory() kind
 
 
@@ -3286,17 +2450,578 @@ def _host_unregister(ptr):
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def _wide(dtype):
-    # what a value is exported and rebuilt in: fp32 for floats, its own dtype for the rest
-    return torch.float32 if dtype.is_floating_point else dtype
+# =============================================================================
+# Part II: the extensions, a section each. Part I reaches each at one named seam
+# =============================================================================
 
 
-def _post_order(module, stop):
-    # module and its descendants, children first (as nn.Module.apply visits), not entering `stop`
-    for child in module.children():
-        if id(child) not in stop:
-            yield from _post_order(child, stop)
-    yield module
+# -----------------------------------------------------------------------------
+# 9. Rank-dependent orders: the blocks each rank called, merged into one order; a parameter used
+# outside its block
+
+
+def _merge(seqs, extra=()):
+    """One order of the nodes (segment, occurrence, unit) of every rank's calls, consistent with
+    each rank's; ties, and `extra` nodes nobody ran, by the node; where they clash, rank 0's."""
+    nodes = list(dict.fromkeys([x for s in seqs for x in s] + list(extra)))
+    after = {x: set() for x in nodes}       # the nodes some rank called right after x
+    before = dict.fromkeys(nodes, 0)        # how many pairs end at x, not placed yet
+    for a, b in {(a, b) for s in seqs for a, b in zip(s, s[1:])}:
+        after[a].add(b)
+        before[b] += 1
+    ready = [x for x in nodes if not before[x]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        out.append(heapq.heappop(ready))
+        for b in after[out[-1]]:
+            before[b] -= 1
+            if not before[b]:
+                heapq.heappush(ready, b)
+    if len(out) != len(nodes):              # a cycle: the orders clash
+        return list(dict.fromkeys(list(seqs[0]) + nodes))
+    return out
+
+
+# torch calls that read no values of a tensor
+METADATA = {"__get__", "__set__", "requires_grad_", "size", "dim", "numel", "stride",
+            "element_size", "is_contiguous", "is_floating_point", "register_hook",
+            "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "storage_offset"}
+_PLAIN = nn.Parameter.__torch_function__    # torch's dispatch, as for any nn.Parameter
+
+
+class _Sharded(nn.Parameter):
+    """A parameter's class while its unit is not WHOLE (first forward: not running). Read in a
+    forward, it is used outside its block: its unit is gathered and kept whole; else, an error."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")   # a __get__'s property
+        if name not in METADATA or prop == "data":      # the call reads values
+            for t in _tensors((args, kwargs)):
+                if type(t) is not _Sharded:
+                    continue
+                sched = t._zero_owner[0]()
+                if sched is not None:       # (None: its engine was dropped: the plain tensor it is)
+                    sched.read_outside(sched.units[t._zero_owner[1]], t._zero_name)
+        return _PLAIN(func, types, args, kwargs or {})
+
+
+# -----------------------------------------------------------------------------
+# 10. Update rules beyond AdamW: Muon, and matrix rules
+
+
+def newton_schulz(g, steps=5):
+    """muon.py's zeropower_via_newtonschulz5: the quintic iteration on g / ||g||_F in bf16, on the
+    transpose where g has more rows than columns."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.bfloat16()
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        m = x @ x.mT
+        x = a * x + (b * m + c * m @ m) @ x
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    return x
+
+
+def _muon_before(master, grad, state, group, step, shape):
+    # the momentum, and its Nesterov blend: what the owner orthogonalizes
+    m = state["momentum_buffer"]
+    m.lerp_(grad, 1 - group["momentum"])
+    if group["nesterov"]:
+        return grad.lerp_(m, group["momentum"])
+    return m
+
+
+def _muon_whole(matrix, state, group, step):
+    u = newton_schulz(matrix, group["ns_steps"])
+    u *= max(1, u.size(-2) / u.size(-1)) ** 0.5     # muon.py's: in bf16, as it returns
+    return u
+
+
+def decoupled_update(master, update, state, group, step, shape):
+    """A matrix rule's `after` as Muon's: decoupled weight decay, then the update at -lr."""
+    master.mul_(1 - group["lr"] * group["weight_decay"])
+    master.add_(update, alpha=-group["lr"])
+
+
+def _muon_defaults(cfg):
+    return dict(lr=cfg.lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=cfg.weight_decay)
+
+
+def _muon_check(g):
+    steps = g["ns_steps"]
+    if not (0 <= g["momentum"] < 1 and isinstance(steps, int) and steps >= 1):
+        return (f"sets momentum={g['momentum']}, ns_steps={steps}: use a momentum in [0, 1) and "
+                "ns_steps >= 1")
+    return _nonnegative(g, ("lr", "weight_decay"))
+
+
+RULES["muon"] = Rule("muon", ("momentum_buffer",), ("lr", "momentum", "nesterov", "ns_steps", "weight_decay"),
+                     _muon_defaults, _muon_check, whole=_muon_whole, before=_muon_before,
+                     after=decoupled_update, sends=(torch.bfloat16, torch.bfloat16), offload=False)
+
+
+VIEW_KEYS = ("view", "transposed")  # a matrix rule's group may say how its tensors are matrices
+# One matrix of a matrix rule: parameter i of `flat`, laid out as `shape` from element `start` of its
+# buffer (transposed: the matrix the rule sees is its transpose, as an (in, out) layout asks); `name`
+# keys its owner state in a checkpoint
+Matrix = collections.namedtuple("Matrix", "flat i start shape transposed name")
+
+
+def ns_cost(rows, cols):
+    """A Newton-Schulz iteration's multiply-adds on a rows x cols matrix, m the smaller side and n the
+    larger: X Xᵀ (m·m·n), its square (m³), that times X (m·m·n)."""
+    m = min(rows, cols)
+    return m * m * (2 * max(rows, cols) + m)
+
+
+def assign_matrices(costs, ranks):
+    """Each matrix (by its cost) to one of `ranks`, the largest first, each to the rank with the least
+    work so far (LPT: within 4/3 of the best balance); ties go to the lower rank, the same everywhere."""
+    loads = [(0, r) for r in range(ranks)]      # a heap of (work so far, rank)
+    owners = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        least = heapq.heappop(loads)
+        owners[k] = least[1]
+        heapq.heappush(loads, (least[0] + costs[k], least[1]))
+    return owners
+
+
+def _oriented(m):
+    # the (rows, cols) a rule sees of matrix m
+    if m.transposed:
+        return m.shape[::-1]
+    return m.shape
+
+
+class MatrixStep:
+    """A matrix rule's step over the whole model, once a step. Each matrix is owned by one rank of the
+    shard group (assign_matrices over all the model's matrices, by Newton-Schulz cost), which keeps its
+    owner state and runs the rule's `whole` on it. Every rank runs `before` on its slices of the
+    matrices; one all-to-all sends each owner its pieces (in the rule's dtype: bf16); the owners run
+    `whole`; one all-to-all sends each rank its pieces of the updates; every rank runs `after`. A rank
+    of N with a slice of S matrix elements sends (2 + 4) bytes x S x (N - 1)/N or so (Muon: 2 + 2),
+    waits for no unit's slowest rank, and holds its slices and the matrices it owns. Stage 0 (and one
+    rank): every matrix is whole in the rank's slice; each rank steps all of them, one at a time, as it
+    runs AdamW on the whole model (no exchange; the owner state on every rank, as all of stage 0's)."""
+
+    def __init__(self, rule, flats, plan, net):
+        self.rule = rule
+        self.plan = plan
+        self.net = net                      # the shard group's all-to-all, counted in the ledger
+        self.matrices = [m for f in flats for m in f.matrices]  # the model's, one order on every rank
+        self.owner = assign_matrices([ns_cost(*m.shape) for m in self.matrices], plan.shards)
+        self.exchange = plan.shards_optim and plan.shards > 1   # else every matrix is this rank's
+        me = plan.shard_rank
+        self.send_splits = [0] * plan.shards    # elements this rank sends each rank ...
+        self.recv_splits = [0] * plan.shards    # ... and gets from each
+        pieces = []                         # (k, a, b, owner, offset in what goes to it)
+        parts = {}                          # k -> [(source rank, offset in what comes from it, n)]
+        for k, m in enumerate(self.matrices):
+            f = m.flat
+            end = m.start + m.shape[0] * m.shape[1]
+            owner = me
+            bounds = [(me, m.start, end)]   # (rank, a, b): the matrix's [a, b) in that rank's slice
+            if self.exchange:
+                owner = self.owner[k]
+                size = f.hi - f.lo          # each rank's slice of the buffer
+                ranks = range(m.start // size, (end - 1) // size + 1)
+                bounds = [(r, max(m.start, r * size), min(end, r * size + size)) for r in ranks]
+            for r, a, b in bounds:
+                if r == me:                 # this rank's piece, to the owner
+                    pieces.append((k, a - f.lo, b - f.lo, owner, self.send_splits[owner]))
+                    self.send_splits[owner] += b - a
+                if owner == me:             # the owner's, from rank r
+                    parts.setdefault(k, []).append((r, self.recv_splits[r], b - a))
+                    self.recv_splits[r] += b - a
+        sent = [0, *itertools.accumulate(self.send_splits)]     # where each rank's part starts
+        got = [0, *itertools.accumulate(self.recv_splits)]
+        self.pieces = [(k, a, b, sent[r] + at) for k, a, b, r, at in pieces]   # (k, a, b, offset)
+        self.parts = {k: [(got[r] + at, n) for r, at, n in ps] for k, ps in parts.items()}
+        self.owned = {}                     # k -> the owner state of each matrix this rank steps
+        for k in self.parts:
+            shapes = {}
+            if rule.owner_states is not None:
+                shapes = rule.owner_states(*_oriented(self.matrices[k]))
+            self.owned[k] = {n: torch.zeros(s, device=plan.device) for n, s in shapes.items()}
+
+    def step(self, groups, mult):
+        """The rule on every matrix with a gradient, with the groups' values as they are now and the
+        step's multiplier (unscale, clip)."""
+        rule = self.rule
+        dev = self.plan.device
+        if not self.exchange:               # each matrix whole here: one at a time, nothing in flight
+            for k, a, b, _ in self.pieces:
+                sent = self._before(k, a, b, groups, mult)
+                if sent is not None:
+                    update = self._whole(k, sent.to(rule.sends[0], copy=True), groups)
+                    self._after(k, a, b, update.to(rule.sends[1]), groups)
+            return
+        send = torch.zeros(sum(self.send_splits), dtype=rule.sends[0], device=dev)
+        for k, a, b, at in self.pieces:
+            sent = self._before(k, a, b, groups, mult)
+            if sent is not None:
+                send[at:at + b - a] = sent
+        recv = torch.empty(sum(self.recv_splits), dtype=send.dtype, device=dev)
+        work = self.net.all_to_all(recv, send, self.recv_splits, self.send_splits, "matrix_to_owners")
+        self.net.wait(work)
+        updates = torch.zeros(len(recv), dtype=rule.sends[1], device=dev)
+        for k, parts in self.parts.items():
+            m = self.matrices[k]
+            if not m.flat.used[m.i]:
+                continue
+            update = self._whole(k, torch.cat([recv[at:at + n] for at, n in parts]), groups)
+            done = 0
+            for at, n in parts:             # back where each piece came from
+                updates[at:at + n] = update[done:done + n]
+                done += n
+        back = torch.empty(len(send), dtype=updates.dtype, device=dev)
+        work = self.net.all_to_all(back, updates, self.send_splits, self.recv_splits, "matrix_from_owners")
+        self.net.wait(work)
+        for k, a, b, at in self.pieces:
+            self._after(k, a, b, back[at:at + b - a], groups)
+
+    def _before(self, k, a, b, groups, mult):
+        # the rule's part before the exchange on this rank's piece [a, b) of matrix k: what it sends
+        # (the gradient, by default), or None where no rank had a gradient: a matrix left alone, its
+        # state too, as torch's optimizers leave a parameter whose .grad is None
+        m = self.matrices[k]
+        f = m.flat
+        if not f.used[m.i]:
+            return None
+        grad = f.grad_shard[a:b].float() * mult     # a new tensor: the rule may write into it
+        if self.rule.before is None:
+            return grad
+        state = {n: f.state[n][a:b] for n in self.rule.states}
+        return self.rule.before(f.state["master"][a:b], grad, state, groups[f.group[m.i]],
+                                f.steps[m.i], _oriented(m))
+
+    def _whole(self, k, x, groups):
+        # the rule's `whole` on matrix k from its elements as laid out; its update, flat, as laid out
+        m = self.matrices[k]
+        x = x.view(m.shape)
+        if m.transposed:
+            x = x.mT
+        update = self.rule.whole(x, self.owned[k], groups[m.flat.group[m.i]], m.flat.steps[m.i])
+        if m.transposed:
+            update = update.mT
+        return update.reshape(-1)
+
+    def _after(self, k, a, b, update, groups):
+        # the rule's part after the exchange on this rank's piece of matrix k; the 16-bit copy written
+        m = self.matrices[k]
+        f = m.flat
+        if not f.used[m.i]:
+            return
+        master = f.state["master"][a:b]
+        state = {n: f.state[n][a:b] for n in self.rule.states}
+        self.rule.after(master, update.float(), state, groups[f.group[m.i]], f.steps[m.i], _oriented(m))
+        if f.out is not None:
+            f.out[a:b].copy_(master)
+
+    def held(self):                         # the owner state's tensors (memory() counts them)
+        return [t for state in self.owned.values() for t in state.values()]
+
+    def files(self):
+        # which rank's checkpoint file holds each matrix's owner state: its owner's in shard group 0
+        if self.rule.owner_states is None:
+            return {}
+        return {m.name: self.owner[k] for k, m in enumerate(self.matrices)}
+
+    def to_save(self):
+        # this rank's owner states by matrix name, for its checkpoint file (stage 0: of the matrices
+        # assigned to it, of which every rank holds a copy)
+        me = self.plan.shard_rank
+        return {self.matrices[k].name: {n: t.cpu() for n, t in state.items()}
+                for k, state in self.owned.items() if state and self.owner[k] == me}
+
+    def read(self, files):
+        """The owner state of each matrix this rank steps, by name, from the checkpoint file its saver
+        wrote it in (at any world size: a matrix's state goes to its new owner)."""
+        where = files.meta.get("matrices", {})
+        out = {}
+        for k, state in self.owned.items():
+            name = self.matrices[k].name
+            if not state:
+                continue
+            saved = {}
+            if name in where:
+                saved = files.get(where[name], "matrices", name)   # checked as read
+            shapes = {n: list(t.shape) for n, t in saved.items()}
+            if shapes != {n: list(t.shape) for n, t in state.items()}:
+                raise ValueError(f"zero: the checkpoint's {self.rule.name} state of '{name}' is "
+                                 f"{shapes or 'missing'}, the engine's {list(state)} of "
+                                 f"{_oriented(self.matrices[k])}: load it with the view it was saved with")
+            out[k] = saved
+        return out
+
+    def load(self, saved):
+        # each owned matrix's state from read()'s, or fresh (load_state_dict: the rules start again)
+        for k, state in self.owned.items():
+            for n, t in state.items():
+                if k in saved:
+                    t.copy_(saved[k][n])
+                else:
+                    t.zero_()
+
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _module_views(model):
+    """Which parameters are matrices, as their modules say: id(p) -> ((matrices, rows, cols, transposed)
+    as laid out, whether a matrix rule takes it by default). An nn.Linear's weight is (out, in); a
+    convolution's filters (out, in·∏k); nn.MultiheadAttention's input projections a matrix; Hugging
+    Face's Conv1D (GPT-2) weight (in, out), transposed; a tensor of >= 3 dims of no convolution a batch
+    of matrices over its leading dims (stacked experts). Not by default: the embeddings, the head (the
+    last nn.Linear) and what is tied to them, a tensor whose leading dim is 1 (ViT's pos_embed and
+    cls_token), 2-dim tensors that are no module's weight (gpt-oss's expert biases, Mamba's A_log)."""
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if linears:
+        skip.add(id(linears[-1].weight))
+    out = {}
+    for m in model.modules():
+        for n, p in m.named_parameters(recurse=False):
+            shape = p.shape
+            if id(p) in out or p.dim() < 2:
+                continue
+            weight = n == "weight" or isinstance(m, nn.MultiheadAttention) and n.endswith("proj_weight")
+            view = (math.prod(shape[:-2]), shape[-2], shape[-1], False)   # a batch, or one matrix
+            default = (p.dim() >= 3 and shape[0] != 1) or (p.dim() == 2 and weight)
+            if isinstance(m, CONVS) and n == "weight":
+                view = (1, shape[0], p.numel() // shape[0], False)
+                default = True
+            elif type(m).__name__ == "Conv1D" and n == "weight":   # transformers' (in, out) Linear
+                view = (1, shape[0], shape[1], True)
+            out[id(p)] = (view, default and id(p) not in skip)
+    return out
+
+
+def _matrix_view(j, g, p, module_view, name, rule):
+    """How a matrix rule's parameter is matrices: (matrices, rows, cols, transposed) as laid out. Its
+    group's "view" ("matrix": (dim 0, the rest); "batch": a batch over the leading dims; a shape of its
+    elements, its last two the matrix), else its module's (_module_views), else a batch (2 dims: one);
+    "transposed": True for an (in, out) layout."""
+    view = g.get("view")
+    shape = list(p.shape)
+    out = None
+    if view is None and module_view is not None:
+        out = module_view[0]
+    elif view in (None, "batch") and len(shape) >= 2:
+        out = (math.prod(shape[:-2]), shape[-2], shape[-1], False)
+    elif view == "matrix" and len(shape) >= 2:
+        out = (1, shape[0], p.numel() // shape[0], False)
+    elif isinstance(view, (tuple, list)) and len(view) >= 2 and math.prod(view) == p.numel():
+        out = (math.prod(view[:-2]), view[-2], view[-1], False)
+    if out is None and view is None:
+        raise ValueError(f"zero.Zero: param_groups[{j}] is {rule.name}'s, which steps matrices, but "
+                         f"holds ['{name}'] of fewer than 2 dims: give them an AdamW group")
+    if out is None:
+        raise ValueError(f"zero.Zero: param_groups[{j}] sets view={view!r}, which does not fit "
+                         f"'{name}' of shape {shape}: use 'matrix', 'batch' or a shape of "
+                         f"{p.numel()} elements")
+    transposed = g.get("transposed", out[3])
+    if not isinstance(transposed, bool):
+        raise ValueError(f"zero.Zero: param_groups[{j}] sets transposed={transposed!r}: use True "
+                         "for an (in, out) layout, else False")
+    return (*out[:3], transposed)
+
+
+# -----------------------------------------------------------------------------
+# 11. Parameter groups, adopting a torch optimizer, and torch's patches
+
+
+# torch's Adam/AdamW keys that zero's AdamW honours at these values only (TORCH_ANY: at any value)
+TORCH_DEFAULTS = dict(amsgrad=False, maximize=False, capturable=False, differentiable=False)
+TORCH_ANY = {"foreach", "fused", "decoupled_weight_decay", "initial_lr"}
+_torch_clip, _torch_compile = torch.nn.utils.clip_grad_norm_, torch.compile   # before our patches
+
+
+def _param_groups(model, cfg, param_groups, optimizer):
+    """torch's param groups over the model's trainable parameters, checked: each parameter in one
+    group, each group with the keys of its rule (its "update": RULES), the rest from Config, and its
+    values as the rule checks them; those in no group get Config's rule (a matrix rule: on the
+    matrices _module_views takes by default, AdamW at adamw_lr on the rest), weight decay on >= 2 dims
+    only. Made from param_groups, or shared with a torch Adam/AdamW (its schedulers then drive the
+    engine). Returns the groups, each parameter's group, and each matrix rule parameter's view
+    (_matrix_view), by identity."""
+    adopt = optimizer is not None
+    if adopt and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"zero.Zero: optimizer={type(optimizer).__name__}; zero steps AdamW: "
+                         "pass a torch.optim.AdamW (or Adam), or none")
+    name = {id(p): n for n, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = list(param_groups or [])       # ours to edit
+    if adopt:
+        groups = optimizer.param_groups     # the same dicts: a change to either is the other's
+    if groups and not isinstance(groups[0], dict):   # a list of tensors: one group
+        groups = [dict(params=groups)]
+    group_of = {}                           # each listed parameter, by identity, to its group
+    for j, g in enumerate(groups):
+        rule = RULES.get(g.get("update", "adamw"))
+        if rule is None:
+            raise ValueError(f"zero.Zero: param_groups[{j}] has update={g['update']!r}; use one "
+                             f"of {list(RULES)}")
+        keys = list(rule.keys)
+        if rule.matrices:                   # its group may say how its tensors are matrices
+            keys += VIEW_KEYS
+        unknown = sorted(set(g) - {"params", "update", *keys, *TORCH_DEFAULTS, *TORCH_ANY})
+        if unknown:
+            raise ValueError(f"zero.Zero: param_groups[{j}] has unknown keys {unknown}; zero's "
+                             f"{rule.name} takes {['params', *keys]} (other keys at torch's "
+                             "defaults)")
+        bad = [f"{k}={g[k]}" for k, v in TORCH_DEFAULTS.items() if g.get(k, v) != v]
+        adam_l2 = type(optimizer) is torch.optim.Adam and not g.get("decoupled_weight_decay")
+        if adam_l2 and g["weight_decay"]:
+            bad.append(f"weight_decay={g['weight_decay']} as Adam's L2 penalty")
+        if bad:
+            raise ValueError(f"zero.Zero: param_groups[{j}] sets {bad}, which zero's AdamW "
+                             "cannot do (other keys at torch's defaults)")
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in ps:
+            # an adopted optimizer may hold frozen parameters: they get no gradient
+            if id(p) not in name or not p.requires_grad and not adopt:
+                what = f"a tensor of shape {tuple(p.shape)} that is not a parameter of the model"
+                if id(p) in name:
+                    what = f"'{name[id(p)]}', which does not require grad"
+                raise ValueError(f"zero.Zero: param_groups[{j}] holds {what}; "
+                                 "list trainable parameters")
+            if group_of.setdefault(id(p), j) != j:
+                raise ValueError(f"zero.Zero: '{name[id(p)]}' is in param_groups "
+                                 f"{group_of[id(p)]} and {j}")
+        if not adopt:                       # torch's copy: each parameter once
+            groups[j] = dict(g, params=list(dict.fromkeys(ps)))
+        for k, v in rule.defaults(cfg).items():
+            groups[j].setdefault(k, v)
+    rest = [p for p in trainable if id(p) not in group_of]
+    if adopt and rest:
+        names = [name[id(p)] for p in rest[:5]]
+        raise ValueError(f"zero.Zero: {names} require grad but are in no param group of the "
+                         "optimizer; add them to it, or freeze them before zero.Zero")
+    if adopt and cfg.update != "adamw":
+        raise ValueError(f"zero.Zero: update={cfg.update!r} with optimizer=: a torch Adam/AdamW's "
+                         f"groups leave nothing to {cfg.update}; pass param_groups with 'update': "
+                         f"{cfg.update!r}, or no optimizer")
+    # parameters in no group: Config's rule with Config's values, weight decay on >= 2-D ones only; a
+    # matrix rule on the matrices the modules say (as in nanoGPT and Hugging Face's models: not the
+    # embeddings, nor the head), AdamW at adamw_lr on the rest
+    module_views = _module_views(model)
+    main = RULES[cfg.update]
+    elementwise = main                      # the rule of the rest
+    matrices = dict(params=[], update=main.name, **main.defaults(cfg))
+    if main.matrices:
+        matrices["params"] = [p for p in rest if module_views.get(id(p), (None, False))[1]]
+        rest = [p for p in rest if not module_views.get(id(p), (None, False))[1]]
+        elementwise = RULES["adamw"]
+    decayed = dict(params=[p for p in rest if p.dim() >= 2], **elementwise.defaults(cfg))
+    if elementwise.name != "adamw":         # (AdamW's groups need no "update")
+        decayed["update"] = elementwise.name
+    not_decayed = dict(decayed, params=[p for p in rest if p.dim() < 2])
+    if "weight_decay" in not_decayed:
+        not_decayed["weight_decay"] = 0.0
+    for g in (matrices, decayed, not_decayed):
+        if g["params"]:
+            groups.append(g)
+            group_of.update(dict.fromkeys(map(id, g["params"]), len(groups) - 1))
+    views = {}                              # id(p) -> its view, for a matrix rule's parameters
+    for j, g in enumerate(groups):
+        rule = RULES[g.get("update", "adamw")]
+        if cfg.offload and not rule.offload:
+            raise ValueError(f"zero.Zero: {rule.name!r} with offload=True: that rule runs on the "
+                             "device only; use offload=False, or another update rule")
+        _check_group("zero.Zero", j, g)
+        if not rule.matrices:
+            continue
+        for p in g["params"]:
+            views[id(p)] = _matrix_view(j, g, p, module_views.get(id(p)), name[id(p)], rule)
+    return groups, group_of, views
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """torch's face of the engine's update rules: the param_groups that LR schedulers and user code
+    write, which every step reads (_param_groups made them); step() is engine.step(). An adopted
+    torch Adam/AdamW shares the groups, and its step() becomes the engine's."""
+
+    def __init__(self, engine, groups, optimizer=None):
+        self.engine = engine                # whose step this step() is
+        super().__init__(groups, {})        # torch would give every group these: each has its rule's keys
+        self.defaults = RULES["adamw"].defaults(engine.cfg)   # what torch's cyclic schedulers look for
+        if optimizer is not None:           # the script's optimizer, now driven by the engine
+            def step(closure=None):
+                optimizer._opt_called = True    # what torch's LR schedulers look for
+                return engine.step()
+            step._wrapped_by_lr_sched = True
+            optimizer.step = step
+            optimizer.zero_grad = self.zero_grad
+            optimizer.state_dict = optimizer.load_state_dict = self.state_dict
+
+    def step(self, closure=None):
+        return self.engine._step()
+
+    def zero_grad(self, set_to_none=True):
+        """Nothing to do: the engine moves each gradient into its flat buffer as it arrives."""
+
+    def state_dict(self, *args, **kwargs):
+        raise RuntimeError("zero: the optimizer's state is in the engine's shards: "
+                           "use zero.save/zero.load")
+
+    load_state_dict = state_dict
+
+
+def _foreign_step(opt, args, kwargs):
+    # a torch optimizer's step of an engine's parameters changes nothing: the engine has the grads
+    ps = (p for g in opt.param_groups for p in g["params"])   # read only if opt is not the engine's
+    if not isinstance(opt, ZeroOptimizer) and any(id(p) in e.owned for p in ps for e in _ENGINES):
+        raise RuntimeError(f"zero: a torch.optim.{type(opt).__name__} is stepping parameters "
+                           "zero.Zero owns, which changes nothing: pass it as "
+                           "zero.Zero(model, cfg, optimizer=opt)")
+
+
+@functools.wraps(_torch_clip)
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    # DDP's clip of the engine's parameters, whose gradients are in its shards: the engine's clip
+    ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owner = next((e for e in _ENGINES for p in ps[:1] if id(p) in e.owned), None)
+    if owner is None:
+        return _torch_clip(ps, max_norm, norm_type, error_if_nonfinite, foreach)
+    trainable = {id(p) for u in owner.units for f in u.trains for p in f.params}
+    if {id(p) for p in ps if p.requires_grad} != trainable:
+        raise ValueError("zero: clip_grad_norm_ takes all the engine's parameters: "
+                         "pass model.parameters()")
+    return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+
+def _compile(model=None, **kwargs):
+    # torch.compile(engine) compiles the model inside it (as if before wrapping), returns the engine
+    if isinstance(model, Zero):
+        return model._compiled(**kwargs)
+    return _torch_compile(model, **kwargs)  # (model=None: torch's decorator form)
+
+
+register_optimizer_step_pre_hook(_foreign_step)
+torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
+torch.compile = functools.wraps(_torch_compile)(_compile)
+
+
+# -----------------------------------------------------------------------------
+# 12. The meta-device build and the state dicts
+
+
+LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys wrong_shapes")
+
+
+def _mismatch(what, missing, unexpected, shapes):
+    # one error for all that does not fit: the names either side lacks, the shapes that differ
+    parts = [f"{k} {v}" for k, v in (("missing", missing), ("unexpected", unexpected),
+                                     ("shapes differ:", shapes)) if v]
+    if parts:
+        raise ValueError(f"zero: {what} " + "; ".join(parts))
 
 
 def _model_state(model):
@@ -3312,8 +3037,281 @@ def _aliases(model):
     return out
 
 
+def _restore(engine, prepare, what, filled=None):
+    """New weights (and optimizer state, where read() has them) into every copy the engine keeps;
+    prepare() -> (read(name, param, start, n, key) -> elements or None, {state_dict key: buffer});
+    `filled`: the names it fills (None: all). Returns the frozen ones the compute dtype rounds."""
+    error = None                            # this rank's failure in phase 1
+    new = []                                # (flat buffer, its new shard state)
+    rounded = []                            # frozen parameters the compute dtype does not hold
+    try:                                    # phase 1: this rank's owned slices into fresh tensors
+        read, extra = prepare()
+        for f in (f for u in engine.units for f in u.flats):
+            master = f.state["master"]      # a slice read() does not have keeps its value ...
+            moments = {k: torch.zeros(v.shape) for k, v in f.state.items() if k != "master"}
+            st = {"master": master.to("cpu", _wide(master.dtype), copy=True), **moments}
+            as_held = not f.trainable and not f.cast and f.dtype.is_floating_point
+            for a, b, i in f.pieces:
+                for k in st:
+                    piece = read(f.names[i], f.params[i], a + f.lo - f.offsets[i], b - a, k)
+                    if piece is None:
+                        continue
+                    st[k][a:b] = piece
+                    # a frozen value the compute dtype cannot hold exactly: the caller warns
+                    if as_held and not torch.equal(piece.float(), piece.to(engine.dtype).float()):
+                        rounded.append(f.names[i])
+            new.append((f, st))
+    except Exception as e:                  # a missing or corrupt file, another model: no change
+        error = e
+    # phase 2: a failure is raised on every rank, not a hang in the collectives below; zero's own
+    # message (a file that fails its checksum) before what reading that file gave another rank
+    mine = f"{type(error).__name__}: {error}" if error else None
+    _, every = engine.net.agree(mine, lambda: mine)     # every rank's message, where they differ
+    failed = [m for m in every or [mine] if m]
+    first = ([m for m in failed if "zero:" in m] or failed or [None])[0]
+    if error is not None and ("zero:" in str(error) or mine == first):
+        raise error
+    if first:
+        raise RuntimeError(f"zero: another rank could not {what}: {first}")
+    for f, st in new:                       # phase 3: shard state in place, 16-bit values from it
+        for k, v in st.items():
+            f.state[k].copy_(v)
+        if f.out is not None:
+            f.out.copy_(st["master"])
+    if engine.plan.regathers:
+        _regather([u.stale() for u in engine.trained])
+    with torch.no_grad():
+        for k, v in _model_state(engine.module).items():
+            if k in extra:
+                v.copy_(extra[k])
+    engine._filled(filled)
+    return rounded
+
+
 # -----------------------------------------------------------------------------
-# 8. Checkpoints
+# 13. Call checks through the store
+
+
+POLL_S = 1.0    # a CPU wait this long compares the ranks' calls in the store (a call made alone)
+STORE_RATE = 2000   # requests a second to the store that all ranks' long waits make together, at most (one
+                    # TCPStore, torchrun's rendezvous store too, served about 22k a second here)
+RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls one rank may make alone
+CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
+
+
+class Calls:
+    """This rank's calls that take collectives (forward, backward, step, the rare ones), counted and
+    logged, and compared with the other ranks' through torch's store: the rare calls (RARE), those
+    after evaluation forwards (`check`) and, with Config(check_calls=True) or
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, every call, before their first collective; and, in a wait that
+    runs long (Comm.until), the last calls ranks 0 and 1 posted: a call one rank made alone is named in
+    seconds, never a hang or a step on mismatched shards. Ranks waiting together ask the store at most
+    STORE_RATE times a second, whatever their number."""
+
+    def __init__(self, net, cfg):
+        self.net = net                      # the engine's Comm: its world, timeout and waits
+        self.counts = collections.Counter() # this rank's calls by name (forward, backward, ...)
+        self.log = collections.deque(maxlen=64)   # the last of them, (n, name): the n-th call made
+        self.posted = 0                     # n of the last call posted to the store (long waits)
+        self.checked = []                   # the store keys of the last call checked there
+        debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
+        self.check_all = cfg.check_calls or debug   # every call checked through the store
+        serial = next(_SERIALS.setdefault(tuple(net.ranks), itertools.count()))
+        self.prefix = f"zero/{'-'.join(map(str, net.ranks))[:64]}/{serial}"   # of the store keys
+        self.store = None                   # the default group's store, where calls are checked
+        if net.world > 1:
+            with contextlib.suppress(Exception):
+                self.store = dist.distributed_c10d._get_default_store()
+
+    def call(self, what, check=False):
+        """A call counted and logged; RARE ones, those after eval forwards (`check`), and all with
+        check_calls first checked in the store (each rank counted in at key n): a collective made
+        alone would pair with another one (gloo aborts, NCCL hangs)."""
+        self.counts[what] += 1
+        n = sum(self.counts.values())
+        self.log.append((n, what))
+        if self.store is None or not (what in RARE or check or self.check_all):
+            return
+        key = f"{self.prefix}/call{n}"
+        # polled from 1 ms on, doubling to twice the pace (the other half is compare()'s)
+        ready = _Poll(functools.partial(self.store.check, [f"{key}/all"]), 1e-3, 2 * self.pace())
+        try:
+            if self.store.add(f"{key}/{what}", 1) == self.net.world:
+                self.store.set(f"{key}/all", what)
+                self.forget()               # every rank is past the call checked before
+            why = self.net.until(ready)
+        except Exception:                   # the store gone: its host rank died
+            why = ""
+        self.checked = [f"{key}/{what}", f"{key}/all"]
+        if why:
+            raise RuntimeError(f"zero: {what}() #{n}: the ranks made other calls ({why}); "
+                               f"{EVERY_RANK}")
+        if why is not None:
+            raise RuntimeError(f"zero: {what}() #{n}: the other ranks did not make this call "
+                               f"within {self.net.timeout} ({self.report()}); {EVERY_RANK}")
+
+    def pace(self):
+        """Seconds between a waiting rank's store requests, on average: at most STORE_RATE a second
+        from N ranks waiting at once, whatever N (20 a second from each of a few)."""
+        return max(0.05, self.net.world / STORE_RATE)
+
+    def slice(self):
+        # the seconds a wait runs between comparisons: POLL_S, longer past STORE_RATE / 8 ranks (a
+        # comparison asks the store up to 4 times: a post, two checks, a read)
+        return max(POLL_S, 8 * self.pace())
+
+    def post(self):
+        # this rank's counts and last calls, for the others to read (a long wait, an error's report)
+        n = sum(self.counts.values())
+        if self.store is not None and self.posted != n:
+            value = json.dumps([dict(self.counts), list(self.log)])
+            self.store.set(f"{self.prefix}/last/{self.net.rank}", value)
+            self.posted = n
+
+    def forget(self):
+        # the keys of the call this rank checked last, once every rank counted in at a later one (so
+        # all have read them); a store that cannot delete keeps them
+        for key in self.checked:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(key)
+        self.checked = []
+
+    def read(self, ranks):
+        # what each of `ranks` posted, of those that did: a check per key, then one read of them all
+        keys = {r: f"{self.prefix}/last/{r}" for r in ranks}
+        there = [r for r, key in keys.items() if self.store.check([key])]
+        values = _multi_get(self.store, [keys[r] for r in there])
+        return {r: json.loads(v) for r, v in zip(there, values)}
+
+    def compare(self):
+        # this rank's calls against those ranks 0 and 1 posted (a call made alone waits for, or
+        # holds, one of them): the first n-th call that differs, with both ranks' counts, or None
+        if self.store is None:
+            return None
+        with contextlib.suppress(Exception):    # the store gone: its host rank died
+            self.post()
+            mine = dict(self.log)
+            for r, (calls, log) in self.read({0, 1} - {self.net.rank}).items():
+                for n, what in log:
+                    if n in mine and mine[n] != what:
+                        more = _more_calls({self.net.rank: self.counts, r: calls})
+                        lo, hi = sorted([(self.net.rank, mine[n]), (r, what)])
+                        first = f"rank {lo[0]}: {lo[1]}() #{n}, rank {hi[0]}: {hi[1]}() #{n}"
+                        return "; ".join(more + [first])
+        return None
+
+    def report(self):
+        # what each rank called: this rank's counts and last calls posted; rank 0 reads every rank's,
+        # the others ranks 0 and 1's (N ranks each reading N keys would ask the store N^2 times)
+        if self.store is None:
+            return f"rank {self.net.rank} called " + ", ".join(f"{w}() #{n}" for n, w in self.log)
+        want = {0, 1, self.net.rank}
+        readers = self.net.world                # the ranks that may be reading keys like these at once
+        if self.net.rank == 0:
+            want = set(range(self.net.world))
+            readers = 1
+        # a round reads what is missing; rank 0 alone, and the others together, at most STORE_RATE
+        # keys a second
+        pause = max(0.05, len(want) * readers / STORE_RATE)
+        seen = {}                           # rank -> what it posted
+        deadline = time.monotonic() + min(3.0, self.net.timeout.total_seconds() / 2)
+        with contextlib.suppress(Exception):    # the store gone (its host rank died): what was read
+            self.post()
+            while len(seen) < len(want) and time.monotonic() < deadline:
+                seen.update(self.read(want - set(seen)))
+                if len(seen) < len(want):
+                    time.sleep(pause)
+        logs = {r: [f"{w}() #{n}" for n, w in log] for r, (_, log) in seen.items()}
+        last = "; ".join(f"rank {r}: {log[-1]} (after {', '.join(log[-3:-1]) or 'nothing'})"
+                         for r, log in sorted(logs.items())[:8] if log)
+        more = _more_calls({r: c for r, (c, _) in seen.items()})
+        return "; ".join(more + [last or "no rank said more"])
+
+
+class _Poll:
+    """ready() polled, as until() calls it: each call waits up to `seconds` for it, the pause between
+    checks doubling from `pause` to `most` over the whole wait, not from `pause` again at each call.
+    A CUDA event never reached cannot hang the CPU; the store's own timed wait logs a warning at each
+    timeout."""
+
+    def __init__(self, ready, pause, most):
+        self.ready = ready                  # the check: True once done
+        self.pause = pause                  # the next pause ...
+        self.most = most                    # ... doubling up to this
+        self.due = 0.0                      # when the next check is due (time.monotonic)
+
+    def __call__(self, seconds):
+        end = time.monotonic() + seconds
+        while True:
+            now = time.monotonic()
+            if now >= self.due:
+                if self.ready():
+                    return True
+                self.due = now + self.pause
+                self.pause = min(2 * self.pause, self.most)
+            if self.due > end:              # the next check falls in the next call
+                time.sleep(max(0.0, end - now))
+                return False
+            time.sleep(self.due - now)
+
+
+def _multi_get(store, keys):
+    # the values of keys that exist, in one request where the store has multi_get (newer torch)
+    if not keys:
+        return []
+    if hasattr(store, "multi_get"):
+        return store.multi_get(keys)
+    return [store.get(k) for k in keys]
+
+
+def _more_calls(counts):
+    # "rank 1 made 1 forward() more than rank 0", from each rank's counts of its calls
+    out = []
+    for what in CALLS:
+        c = {r: n.get(what, 0) for r, n in counts.items()}
+        lo = min(c, key=c.get, default=None)
+        out += [f"rank {r} made {k - c[lo]} {what}() more than rank {lo}"
+                for r, k in c.items() if k > c[lo]]
+    return out[:4]
+
+
+# -----------------------------------------------------------------------------
+# 13b. The ledgers: memory() and comm()
+
+class Ledger:
+    """What each kind of collective moved since the last step (calls, elements, bytes as a ring sends
+    them); the collectives of the calls between steps (full_state_dict, load_state_dict, save, load)
+    apart, reported with the step after them under "between_steps"."""
+
+    def __init__(self):
+        self.kinds = {}                     # kind -> (calls, elements, bytes) since the last step
+        self.apart = {}                     # the same, of the calls between steps (RARE) since then
+        self.between = False                # the collectives counted now are a RARE call's
+
+    def call(self, what):                   # counted apart until the next training call
+        self.between = what in RARE
+
+    def count(self, kind, elems, elem_size):
+        ledger = self.kinds
+        if self.between:                    # a state dict's, a save's, a load's: not the step's
+            ledger = self.apart
+        calls, e, b = ledger.get(kind, (0, 0, 0))
+        ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
+
+    def new_step(self):
+        # what the step moved, by kind, as comm() reports it, and under "between_steps" what the calls
+        # between it and the step before moved; both start again
+        moved = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.kinds.items()}
+        if self.apart:
+            moved["between_steps"] = {k: dict(calls=c, elements=e, bytes=b)
+                                      for k, (c, e, b) in self.apart.items()}
+        self.kinds = {}
+        self.apart = {}
+        return moved
+
+
+# -----------------------------------------------------------------------------
+# 14. Checkpoints
 #
 # path/latest            the newest complete checkpoint's name, replaced atomically, last
 # path/step_00001000/    meta.json (layout, config, step, scaler, param groups, checksums), written
@@ -3322,6 +3320,7 @@ def _aliases(model):
 #                        it holds, each tensor's CRC-32, which a load checks where it reads)
 # Each file is written under a temporary name, then renamed: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loads slice the layout: any world size and stage loads it.
+
 
 FORMAT = "zero.py-checkpoint-5"             # 5: tensors checksummed in each file; matrix owner state
 OLD = ("zero.py-checkpoint-4", "zero.py-checkpoint-3", "zero.py-checkpoint-2")   # checked whole at load
@@ -3651,57 +3650,6 @@ def read_extra(path):
     return _Files(path, (0, 1 << 30)).get(0, "extra")
 
 
-def _restore(engine, prepare, what, filled=None):
-    """New weights (and optimizer state, where read() has them) into every copy the engine keeps;
-    prepare() -> (read(name, param, start, n, key) -> elements or None, {state_dict key: buffer});
-    `filled`: the names it fills (None: all). Returns the frozen ones the compute dtype rounds."""
-    error = None                            # this rank's failure in phase 1
-    new = []                                # (flat buffer, its new shard state)
-    rounded = []                            # frozen parameters the compute dtype does not hold
-    try:                                    # phase 1: this rank's owned slices into fresh tensors
-        read, extra = prepare()
-        for f in (f for u in engine.units for f in u.flats):
-            master = f.state["master"]      # a slice read() does not have keeps its value ...
-            moments = {k: torch.zeros(v.shape) for k, v in f.state.items() if k != "master"}
-            st = {"master": master.to("cpu", _wide(master.dtype), copy=True), **moments}
-            as_held = not f.trainable and not f.cast and f.dtype.is_floating_point
-            for a, b, i in f.pieces:
-                for k in st:
-                    piece = read(f.names[i], f.params[i], a + f.lo - f.offsets[i], b - a, k)
-                    if piece is None:
-                        continue
-                    st[k][a:b] = piece
-                    # a frozen value the compute dtype cannot hold exactly: the caller warns
-                    if as_held and not torch.equal(piece.float(), piece.to(engine.dtype).float()):
-                        rounded.append(f.names[i])
-            new.append((f, st))
-    except Exception as e:                  # a missing or corrupt file, another model: no change
-        error = e
-    # phase 2: a failure is raised on every rank, not a hang in the collectives below; zero's own
-    # message (a file that fails its checksum) before what reading that file gave another rank
-    mine = f"{type(error).__name__}: {error}" if error else None
-    _, every = engine.net.agree(mine, lambda: mine)     # every rank's message, where they differ
-    failed = [m for m in every or [mine] if m]
-    first = ([m for m in failed if "zero:" in m] or failed or [None])[0]
-    if error is not None and ("zero:" in str(error) or mine == first):
-        raise error
-    if first:
-        raise RuntimeError(f"zero: another rank could not {what}: {first}")
-    for f, st in new:                       # phase 3: shard state in place, 16-bit values from it
-        for k, v in st.items():
-            f.state[k].copy_(v)
-        if f.out is not None:
-            f.out.copy_(st["master"])
-    if engine.plan.regathers:
-        _regather([u.stale() for u in engine.trained])
-    with torch.no_grad():
-        for k, v in _model_state(engine.module).items():
-            if k in extra:
-                v.copy_(extra[k])
-    engine._filled(filled)
-    return rounded
-
-
 def consolidate(path):
     """A sharded checkpoint as one plain fp32 state_dict that the unwrapped model loads; memory
     holds the result and the rank files' memory maps, nothing else."""
@@ -3715,10 +3663,166 @@ def consolidate(path):
 
 
 # -----------------------------------------------------------------------------
-# 9. Memory estimator and the command line
+# 15. The C AdamW kernel
+#
+# Built once into ~/.cache/zero_py (with no compiler: a warning, and torch's fused kernel): torch's
+# operations in one pass that also reads a bf16 gradient and writes the bf16 weights.
+
+
+# 4. Update rules: the optimizer table
+#
+# An update rule is one entry of RULES (Rule): the state it keeps beside each fp32 master, its param group
+# keys, their checks, and its step: on a Flat's owned slice (elementwise), or on each whole matrix by the
+# rank that owns it (a matrix rule, MatrixStep in section 5). AdamW's step is memory-bound on that
+# slice: on CUDA torch's fused AdamW runs it; on the CPU a C kernel (built once into ~/.cache/zero_py;
+# with no compiler, a warning and torch's) does torch's operations in one pass that also reads a bf16
+# gradient and writes the bf16 weights.
+ADAMW_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+#define INLINE static inline __attribute__((always_inline))
+static inline float bf16_in(uint32_t h) { h <<= 16; float f; memcpy(&f, &h, 4); return f; }
+static inline uint16_t bf16_out(float f) {  /* to nearest even, NaN stays NaN: torch's .to() */
+  uint32_t u; memcpy(&u, &f, 4); return f != f ? 0xffff : (u + 0x7fff + ((u >> 16) & 1)) >> 16; }
+typedef struct { float decay, scale, w, b2, w2, nstep, bc2s, eps, hi, lo; } hyper;  /* adamw sets hi, lo */
+/* one parameter as ATen's fused CPU AdamW computes it (-ffp-contract=off: only these fmaf fuse) */
+INLINE float update(int bg, int div, int64_t i, float *p, const void *g, float *m, float *v, hyper h) {
+  const int near = fabsf(h.w) < 0.5f; const float wl = near ? h.w : h.w - 1;  /* torch's lerp */
+  float gi = bg ? bf16_in(((const uint16_t *)g)[i]) : ((const float *)g)[i];  if (div) gi /= h.scale;
+  float mi = fmaf(wl, gi - m[i], near ? m[i] : gi), vi = fmaf(h.w2 * gi, gi, v[i] * h.b2);
+  /* sqrt(vi) / bc2s with no divide (it bounds the loop): q within an ulp, Markstein's fma step rounds it */
+  float s = sqrtf(vi), q = fmaf(s, h.hi, s * h.lo), r = fmaf(-q, h.bc2s, s);   /* s: 0, normal, inf or NaN */
+  float pi = p[i] * h.decay + h.nstep * mi / ((s < INFINITY ? fmaf(r, h.hi, q) : s) + h.eps);
+  p[i] = pi; m[i] = mi; v[i] = vi; return pi; }
+INLINE void body(int bg, int ob, int div, int64_t i, int64_t b, float *restrict p, const void *restrict g,
+    float *restrict m, float *restrict v, uint16_t *restrict out, hyper h) {
+#ifdef __SSE2__  /* out is only written: whole 64-byte lines go by streaming stores, which skip reading */
+  for (; ob && i < b && (uintptr_t)(out + i) % 64; i++) out[i] = bf16_out(update(bg, div, i, p, g, m, v, h));
+  for (uint16_t t[32] __attribute__((aligned(64))); i + 32 <= b; i += 32) {
+    for (int j = 512; j < 544; j += 16)  /* 2 KB ahead: more lines in flight than the hardware keeps */
+      __builtin_prefetch(p + i + j, 1), __builtin_prefetch(m + i + j, 1), __builtin_prefetch(v + i + j, 1),
+      __builtin_prefetch((const char *)g + (i + j) * (bg ? 2 : 4), 0);
+    for (int j = 0; j < 32; j++) t[j] = bf16_out(update(bg, div, i + j, p, g, m, v, h));
+    for (int j = 0; ob && j < 4; j++)
+      _mm_stream_si128((__m128i *)(out + i) + j, _mm_load_si128((__m128i *)t + j));
+  }
+#endif
+  for (; i < b; i++) { float pi = update(bg, div, i, p, g, m, v, h); if (ob) out[i] = bf16_out(pi); } }
+/* kind: bit 0 a bf16 grad, 1 a bf16 out, 2 a grad_mult, each its own loop; *next: the next block to take */
+#define K(k) case k: body(k & 1, k >> 1 & 1, k >> 2, a, b, p, g, m, v, out, h); break;
+void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m, float *v, uint16_t *out,
+           const hyper *hp) {
+  hyper h = *hp; h.hi = 1 / h.bc2s, h.lo = (float)((1 - (double)h.bc2s * h.hi) / h.bc2s);  /* 1 / bc2s */
+  for (int64_t a, b; (a = __atomic_fetch_add(next, 1 << 16, __ATOMIC_RELAXED)) < n;)
+    switch (b = a + (1 << 16) < n ? a + (1 << 16) : n, kind) { K(0) K(1) K(2) K(3) K(4) K(5) K(6) K(7) }
+#ifdef __SSE2__
+  _mm_sfence();  /* streaming stores are weakly ordered: all visible before the caller goes on */
+#endif
+}
+"""
+
+
+# -fno-math-errno, -fno-trapping-math vectorise sqrtf and the selects (4x on AVX2); unlike -ffast-math, exact
+ADAMW_FLAGS = "-O3 -march=native -fno-math-errno -fno-trapping-math -ffp-contract=off -shared -fPIC".split()
+MIN_PER_THREAD = 1 << 17    # parameters: waking another thread for fewer costs more than it saves
+_kernel, _kernel_lock, _pools, _scratch = [], threading.Lock(), {}, {}   # _kernel: [] untried, [fn] or [None]
+
+
+def _build_kernel():
+    # compile ADAMW_C into the user's cache once per source, compiler and CPU (a shared home must never hand a
+    # -march=native binary to another CPU), and load it
+    cc, cpu = os.environ.get("CC", "cc"), platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:   # what -march=native sees
+        cpu = next((line for line in f if line.startswith(("flags", "Features"))), cpu)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([ADAMW_C, *ADAMW_FLAGS, version, cpu]).encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zero_py")
+    so = os.path.join(cache, f"adamw-{key}.so")
+    if not os.path.exists(so):       # processes starting together each build in a directory of their own
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            r = subprocess.run([cc, *ADAMW_FLAGS, "-o", f"{tmp}/a.so", "-x", "c", "-"], input=ADAMW_C,
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-300:]}")
+            os.replace(f"{tmp}/a.so", so)
+    fn = ctypes.CDLL(so).adamw
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 7, None
+    return fn
+
+
+def _cpu_kernel():
+    # the C kernel, or None where it cannot be built, after one warning saying why: slower, never fatal
+    with _kernel_lock:
+        if not _kernel:
+            try:
+                _kernel.append(_build_kernel())
+            except Exception as e:
+                _kernel.append(None)
+                warnings.warn(f"zero: no C AdamW kernel ({type(e).__name__}: {e}); using torch's (slower)")
+    return _kernel[0]
+
+
+def _parallel(fn, n, args):
+    # fn(*args) here and, for a large n, on pool threads (Python's: the kernel releases the GIL, torch has its
+    # own OpenMP). They take blocks until none is left: one held up does less, and whichever run, all are done
+    k, helpers = min(_host_threads(), n // MIN_PER_THREAD), []
+    if k > 1:
+        with contextlib.suppress(RuntimeError):   # no new threads at interpreter exit: this one does it all
+            pool = _pools.get(os.getpid()) or _pools.setdefault(os.getpid(),
+                                                                ThreadPoolExecutor(os.cpu_count()))
+            helpers = [pool.submit(fn, *args) for _ in range(k - 1)]
+    fn(*args)
+    for h in helpers:
+        h.result()
+
+
+def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult=1.0,
+               out=None):
+    """AdamW on 1-D fp32 tensors as torch's fused kernel computes it, grad_mult (unscale, clip) inside, the
+    new master also into `out`: on the CPU one pass of the C kernel (fp32/bf16 grad and out), else torch's."""
+    if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+        return _torch_adamw(master, grad, exp_avg, exp_avg_sq,
+                            [(0, master.numel(), lr, beta1, beta2, eps, weight_decay, step)], grad_mult, out)
+    if out is not None and out.dtype == torch.float32:   # fp32 compute with offload
+        adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult)
+        return out.copy_(master)
+    n = master.numel()
+    next_block = ctypes.c_int64(0)          # the next block of 2^16 elements a thread takes
+    bc1 = 1 - beta1 ** step                 # in double, then rounded to float, as torch does
+    bc2 = 1 - beta2 ** step
+    consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
+                                   -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
+    kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
+    ptrs = [t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq)]
+    ptrs.append(out.data_ptr() if out is not None else None)
+    return _parallel(_cpu_kernel(), n, (kind, n, ctypes.addressof(next_block), *ptrs, consts))
+
+
+def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+    # the C kernel's tensors (CPU, fp32 state, an fp32 or bf16 gradient, a bf16 out or an fp32 one copied
+    # after, 1-D of one length), and the kernel built
+    ts = [t for t in (master, grad, exp_avg, exp_avg_sq, out) if t is not None]
+    takes = (torch.float32, torch.bfloat16)
+    if grad.dtype not in takes or out is not None and out.dtype not in takes:
+        return False
+    if not master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32:
+        return False
+    if not all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
+        return False
+    return _cpu_kernel() is not None
+
+
+# -----------------------------------------------------------------------------
+# 16. Memory estimator and the command line
 #
 # The paper's formula in Zero.memory()'s kinds (a test holds the two equal on a real model);
 # `python zero.py estimate` prints the paper's 7.5B-parameter, 64-GPU example.
+
 
 def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, shard_group=0,
                     frozen_params=0, reduce_dtype="", frozen_dtype="", accum_steps=1, num_tensors=0,

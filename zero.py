@@ -639,18 +639,6 @@ def _adamw(f, runs, groups, mult, out):
     adamw_runs(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], hyper, mult, out)
 
 
-def _elementwise(f, runs, groups, mult, out):
-    # a rule's one function, run by run on a Flat's owned slice: the gradient in fp32 times the step's
-    # multiplier (unscale, clip), each state's slice, the group's values as they are now, the step count
-    master = f.state["master"]
-    for a, b, j, step in runs:
-        grad = f.grad_shard[a:b].float() * mult     # a new tensor: the rule may write into it
-        state = {k: f.state[k][a:b] for k in f.rule.states}
-        f.rule.step(master[a:b], grad, state, groups[j], step)
-        if out is not None:
-            out[a:b].copy_(master[a:b])
-
-
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """An update rule: all the engine knows of an optimizer, in one place. An elementwise rule is one
@@ -847,21 +835,6 @@ class Flat:
         return [name for name, p, o in zip(self.names, self.params, self.offsets)
                 if not torch.equal(full[o:o + p.numel()], self.flat[o:o + p.numel()].float())]
 
-    def held(self):
-        # (tensor, memory()'s kind, "device" or "host") of each tensor it has now
-        out = []
-        for name, (kind, offloaded) in TENSORS.items():
-            t = getattr(self, name)
-            if t is not None:
-                out.append((t, kind, "host" if offloaded and self.plan.offload else "device"))
-        for k, t in self.state.items():
-            kind = "master" if k == "master" else "optim"
-            out.append((t, kind, "host" if self.plan.offload else "device"))
-        if not self.trainable:              # frozen: on the device, whatever its role
-            return [(t, "frozen", "device") for t, _, _ in out]
-        return out
-
-    # -- the gradient, from autograd's .grad to the reduced owned slice
     def take_grad(self, i, p):
         # parameter i's .grad into the whole gradient at once (stages 2-3: this micro-batch's only)
         if self.grad is None:
@@ -967,9 +940,6 @@ class Flat:
             self.h2d_event = copies.to_device([(self.out[a:b], self.staging[a:b]) for a, b, _, _ in runs])
 
 
-# Flat's tensors beside the state: memory()'s kind, and whether offload holds them on the host
-TENSORS = {"flat": ("params", False), "shard": ("params", False), "grad": ("grads", False),
-           "acc": ("grads", False), "grad_shard": ("grads", True), "staging": ("params", True)}
 FREED, STALE, GATHERING, WHOLE = "freed", "stale", "gathering", "whole"     # a unit's phases
 
 
@@ -1371,21 +1341,6 @@ class Schedule:
         for i in sorted(self.kept):
             self.units[i].unshard()
         self.learned = True
-
-    def read_outside(self, u, name):
-        """A parameter of u read where u is not gathered (outside its block). In the first forward,
-        which all ranks run alike, u is gathered and held whole from then on; later, gathering it
-        here would be this rank's collective alone (a hang, or a wrong pairing): refused."""
-        if self.depth == 0:
-            raise RuntimeError(f"zero: '{name}' was read outside the model's forward, where its "
-                               "unit is not gathered: read weights from engine.full_state_dict()")
-        if self.checked:
-            raise RuntimeError(f"zero: '{name}' was read outside its block '{u.name}' after the "
-                               "first forward, which did not read it so: gathering it now would be "
-                               "this rank's collective alone. Read it in every forward from the "
-                               "first, or pass zero.Zero(..., units=[...]) without its block")
-        u.hold()
-        u.unshard().mark(False)
 
     def alone(self, u, what):
         """u called where its walk has no place for it (out of turn, or more often than its places).
@@ -1789,11 +1744,7 @@ class Zero:
                 self.units.append(u)
         self.root = unit_of.get(id(self.module))   # the root's unit, or None
         self.trained = [u for u in self.units if u.trains]   # the units with trainable parameters
-        # each matrix rule's step over the whole model: its matrices assigned to the shard ranks
-        by_rule = {}                        # rule name -> its Flats, in unit order
-        for f in (f for u in self.trained for f in u.trains if f.rule.matrices):
-            by_rule.setdefault(f.rule.name, []).append(f)
-        self.matrix_steps = [MatrixStep(fs[0].rule, fs, plan, net) for fs in by_rule.values()]
+        self.matrix_steps = _matrix_steps(self.trained, plan, net)     # section 10: Muon's
         self.owned = {id(p) for u in self.units for p in u.params}   # every parameter, by identity
         self.sched = s = Schedule(self.units, plan, net)   # the one order of the collectives
         self.optimizer = ZeroOptimizer(self, groups, optimizer)   # torch's face of the rules
@@ -1804,10 +1755,12 @@ class Zero:
         rounded = []                        # frozen parameters the compute dtype changes
         for m in unit_modules + [self.module]:
             mods = list(_post_order(m, stop - {id(m)}))   # the root: every module outside the units
-            self._materialize(mods, init_fn)
+            if any(t.is_meta for m in mods for t in (*m.parameters(False), *m.buffers(False))):
+                self.unfilled |= _materialize(mods, init_fn, self.device, self.names)   # section 12
+            self._place_buffers(mods)
             if id(m) in unit_of:
                 rounded += self._build(unit_of[id(m)])
-        self._warn_rounded(rounded)
+        _warn_rounded(rounded, cfg.dtype)                # section 12
         # hooks: each trainable parameter's gradient (after autograd summed its uses); a forward
         # starts at the root's first module (`mods`), ends when it returns; each unit's forward.
         # Every k-th block recomputes non-reentrant (dropout's RNG kept) within the gathering hooks
@@ -1827,7 +1780,7 @@ class Zero:
             if k and j % k == 0:
                 m.forward = functools.partial(recompute, m.forward, use_reentrant=False)
         # the model's own state_dict would hold shards or stale 16-bit copies: the engine's instead
-        self.module.state_dict = self._refuse_state_dict
+        self.module.state_dict = _refuse_state_dict
         self.module.load_state_dict = self.load_state_dict
         self.ledger_reset()
         _ENGINES.add(self)
@@ -1850,44 +1803,9 @@ class Zero:
                 raise ValueError(f"zero.Zero: ranks disagree ({'; '.join(diff)}); launch every "
                                  "rank with the same model and the same zero.Config")
 
-    def _materialize(self, mods, init_fn):
-        """Meta tensors of `mods` made real on the device (same objects: ties hold), then init_fn(m)
-        or reset_parameters(); what nothing wrote is unfilled (load_state_dict fills it). Then the
-        buffers: whole on every rank, floats in the compute dtype, rank 0's values, each once."""
-        def marker(t):                      # a value no initializer writes (a bool tensor has none)
-            if t.is_floating_point() or t.is_complex():
-                return float("nan")
-            if t.dtype == torch.bool:
-                return 0
-            return torch.iinfo(t.dtype).min
-        made = []
-        for m in mods:
-            for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
-                if t.is_meta:               # (a tied tensor made real already is not)
-                    new = torch.full_like(t, marker(t), device=self.device)
-                    if isinstance(t, nn.Parameter):
-                        new = nn.Parameter(new, t.requires_grad)
-                    torch.utils.swap_tensors(t, new)
-                    made.append((m, n))
-        # init_fn sees every module (it may fill a module's own tensors), reset_parameters() only
-        # the modules with a made tensor, as it would overwrite real ones
-        with torch.no_grad():
-            if init_fn is None:
-                for m in dict.fromkeys(m for m, _ in made):
-                    if callable(getattr(m, "reset_parameters", None)):
-                        m.reset_parameters()
-            elif made:
-                for m in mods:
-                    init_fn(m)
-        for m, n in made:                   # a marker left: nothing initialized the tensor
-            t = getattr(m, n)
-            if t.is_floating_point() or t.is_complex():
-                left = t.isnan().any()
-            else:
-                left = t.dtype != torch.bool and (t == marker(t)).all()
-            if left:
-                prefix = self.names.get(id(m), "")
-                self.unfilled.add(f"{prefix}.{n}" if prefix else n)
+    def _place_buffers(self, mods):
+        # the buffers of `mods`: whole on every rank, floats in the compute dtype, rank 0's values,
+        # each once (a buffer shared by modules stays one tensor)
         for m in mods:
             for n, b in m.named_buffers(recurse=False):
                 if id(b) not in self.placed:
@@ -1936,13 +1854,6 @@ class Zero:
         u.free(pending=False)               # stage 3: the shards alone stay
         return rounded
 
-    def _warn_rounded(self, names):
-        # once per build or load: a frozen base that the compute dtype rounds is not the one given
-        if names:
-            warnings.warn(f"zero: frozen parameters {names[:8]}{' ...' * (len(names) > 8)} change "
-                          f"when rounded to {self.cfg.dtype}, in which zero holds them; "
-                          "Config(frozen_dtype='fp32') keeps them exact")
-
     def __call__(self, *args, **kwargs):
         # float inputs in the compute dtype, as the parameters
         args, kwargs = _tree_map(lambda t: t.to(self.dtype) if t.is_floating_point() else t,
@@ -1983,17 +1894,9 @@ class Zero:
         if s.micro >= cfg.accum_steps:
             raise RuntimeError(f"zero: backward() called {s.micro + 1} times without step(); "
                                f"Config.accum_steps={cfg.accum_steps}")
-        # DDP's habit, loss / accum_steps, would divide twice; (a + b) / 2 is two halves' mean
-        fn = getattr(loss, "grad_fn", None)
-        scales = fn is not None and fn.name() in ("DivBackward0", "MulBackward0")
-        if cfg.accum_steps > 1 and scales and "Add" not in str(fn.next_functions[0][0]):
-            d = getattr(fn, "_saved_other", None)
-            one = isinstance(d, torch.Tensor) and d.numel() == 1 and d.device.type == "cpu"
-            if one and fn.name() == "MulBackward0":
-                d = 1 / d                   # loss * (1 / accum_steps)
-            if one and math.isclose(d.item(), cfg.accum_steps, rel_tol=1e-6):
-                raise ValueError(f"zero: the loss is divided by accum_steps={cfg.accum_steps}: pass "
-                                 "the plain mean loss; engine.backward divides by accum_steps itself")
+        fn = getattr(loss, "grad_fn", None)     # DDP's habit, loss / accum_steps: section 11
+        if cfg.accum_steps > 1 and fn is not None and fn.name() in ("DivBackward0", "MulBackward0"):
+            _refuse_divided(fn, cfg.accum_steps)
         s.begin_backward()
         self.settle()                       # the last step's host update lands before new gradients
         s.start_backward()
@@ -2065,7 +1968,7 @@ class Zero:
             for f in u.trains:
                 f.new_window()
         if every is not None:
-            self._diverged(every)
+            _diverged(self, every)          # section 13: raises
         self.sched.agree_kept({u.index for u, h in zip(self.units, held) if h})
         self.used = rest[len(self.units):]  # per trained parameter: ranks that had a gradient
         # gradients of loss * scale, summed over ranks and micro-batches after a divide by divide[0]
@@ -2140,27 +2043,6 @@ class Zero:
             if self.plan.regathers:
                 _regather(self.units)
 
-    def _diverged(self, every):
-        # the ranks' collectives or calls differed in this step: say which, change nothing, and stop
-        names = {u.index: u.name for u in self.units}  # a collective's tag (None: the step's)
-        said = []                           # each rank's trace in words, "nothing" past its end
-        for t, _, _ in every:
-            said.append([f"{k} of {names.get(i, 'the step')}" for k, i in t] + ["nothing"])
-        t0 = every[0][0]
-        diff = "?"
-        for r, (t, _, _) in enumerate(every):
-            if t != t0:
-                j = next((j for j, (x, y) in enumerate(zip(t0, t)) if x != y), min(len(t0), len(t)))
-                diff = f"#{j}: rank 0's was {said[0][j]}, rank {r}'s {said[r][j]}"
-                break
-        ran = [f"rank {r}: {[names[i] for i in x]}" for r, (_, x, _) in enumerate(every[:4])]
-        self.ledger_reset()
-        more = _more_calls({r: c for r, (_, _, c) in enumerate(every)})
-        raise RuntimeError(f"zero: the ranks ran different collectives in this step "
-                           f"({'; '.join(more + [diff])}); nothing was updated. Units each rank's "
-                           f"forwards ran: {'; '.join(ran)}. At stage 3 call every unit equally "
-                           "often on every rank, or stage 2")
-
     @property
     def lr(self):
         """The first group's lr; set, every group's."""
@@ -2192,93 +2074,6 @@ class Zero:
         """The most bytes of parameter buffers (in the compute dtype) this rank held at once."""
         return self.net.peak
 
-    def memory(self):
-        """Bytes of model state this rank holds, by kind, on the device and the host, from the
-        tensors' storages, each once (on a CPU-only machine "device" and "host" are one memory,
-        split by role); of the host's, pinned_memory() says what is pinned."""
-        out = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
-               for w in ("device", "host")}
-        seen = set()                        # storages counted: views share one
-        for f in (f for u in self.units for f in u.flats):
-            for t, kind, where in f.held():
-                st = t.untyped_storage()
-                if st.nbytes() and st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    out[where][kind] += st.nbytes()
-        for m in self.matrix_steps:         # a matrix rule's owner state, of the matrices it owns
-            out["device"]["optim"] += sum(t.untyped_storage().nbytes() for t in m.held())
-        return out
-
-    def pinned_memory(self):
-        """The host bytes of memory() that CUDA has page-locked, by kind: with offload on CUDA the
-        gradient shard (grads) and the 16-bit staging copy (params), crossing the bus each step."""
-        out = dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
-        for kind, (block, used, pinned) in self.pinned.items():
-            if pinned:
-                out[PINNED[kind]] += used * block.element_size()
-        return out
-
-    def num_params(self, padded=False, frozen=False):
-        # Ψ of the formulas: trainable (or frozen) parameters, as given or as the buffers hold them
-        flats = [f for u in self.units for f in u.flats if f.trainable != frozen]
-        if padded:
-            return sum(f.padded for f in flats)
-        return sum(f.numel for f in flats)
-
-    def full_state_dict(self, rank0_only=False):
-        """The whole model as a plain fp32 state_dict of CPU tensors (every rank calls it), gathered
-        and moved to the CPU a flat buffer at a time. rank0_only=True: the others get {}."""
-        self.net.call("full_state_dict")
-        self.settle()
-        returns = not rank0_only or self.rank == 0   # this rank gets the values
-        values = {}                         # id(parameter) -> its value on the CPU
-        for f in (f for u in self.units for f in u.flats):
-            full = f.state["master"].to(self.device, _wide(f.dtype))   # fp32 master, or as held
-            if f.hi - f.lo < f.padded:      # sharded (at stage 0, and frozen at 0-2, it is whole)
-                mine, full = full, torch.empty(f.padded, dtype=full.dtype, device=self.device)
-                self.net.all_gather(full, mine, kind="state_dict")   # not training traffic
-            for p, o in zip(f.params, f.offsets):
-                if returns:                 # (rank0_only: the others only gather)
-                    values[id(p)] = full[o:o + p.numel()].view(p.shape).to("cpu", copy=True)
-            del full
-        if not returns:
-            return {}
-        out = {}                            # the model's own keys: tied names, buffers
-        for k, t in _model_state(self.module).items():
-            out[k] = values.get(id(t))
-            if out[k] is None:              # not a parameter: a buffer
-                out[k] = t.detach().to("cpu", _wide(t.dtype), copy=True)
-        return out
-
-    def load_state_dict(self, state_dict, strict=True):
-        """Weights from a plain state_dict (model.state_dict() names, tied aliases too) into every
-        copy the engine keeps, each rank reading only its slices; Adam starts fresh. Missing,
-        unexpected and wrongly shaped entries are one error (strict=False: skipped, returned)."""
-        self.net.call("load_state_dict")
-        self.settle()
-        want = _model_state(self.module)
-        aliases = _aliases(self.module)
-        # each parameter is read under the first of its names that the state_dict has
-        slot = {id(p): next((a for a in aliases[id(p)] if a in state_dict), None)
-                for u in self.units for p in u.params}
-        missing = [k for k, t in want.items() if k not in state_dict and not slot.get(id(t))]
-        unexpected = [k for k in state_dict if k not in want]
-        shape_of = {k: list(v.shape) for k, v in state_dict.items() if k in want}
-        bad = dict.fromkeys(k for k, shape in shape_of.items() if shape != list(want[k].shape))
-        shapes = [f"{k}: {shape_of[k]} vs the model's {list(want[k].shape)}" for k in bad]
-        if strict:
-            _mismatch("load_state_dict:", missing, unexpected, shapes)
-        use = {i: k for i, k in slot.items() if k is not None and k not in bad}
-
-        def read(name, p, start, n, key):   # the master weights only
-            if key == "master" and id(p) in use:
-                return state_dict[use[id(p)]].reshape(-1)[start:start + n]
-        bufs = {k: state_dict[k] for k in shape_of if k not in bad and id(want[k]) not in slot}
-        filled = {a for i in use for a in aliases[i]} | set(bufs)
-        self._warn_rounded(_restore(self, lambda: (read, bufs), "load the state_dict", filled))
-        self._resume(self.step_count, {})   # the rules start fresh
-        return LoadResult(missing, unexpected, shapes)
-
     def _resume(self, step_count, steps):
         # the counters a load sets: the steps taken, each parameter's rule steps (by name)
         self.step_count = step_count
@@ -2293,9 +2088,21 @@ class Zero:
             names = set(self.unfilled)
         self.unfilled -= names
 
-    def _refuse_state_dict(self, *args, **kwargs):
-        raise RuntimeError("zero: model.state_dict() after zero.Zero(model) holds shards or stale copies: "
-                           "use engine.full_state_dict() (every rank calls it) or zero.save(engine, dir)")
+    # -- what the extensions add to the engine's face, each a call into its section
+    def full_state_dict(self, rank0_only=False):       # section 12
+        return _full_state_dict(self, rank0_only)
+
+    def load_state_dict(self, state_dict, strict=True):     # section 12
+        return _load_state_dict(self, state_dict, strict)
+
+    def memory(self):                       # section 13b
+        return _memory(self)
+
+    def pinned_memory(self):                # section 13b
+        return _pinned_memory(self)
+
+    def num_params(self, padded=False, frozen=False):     # section 13b
+        return _num_params(self, padded, frozen)
 
 
 def _wide(dtype):
@@ -2504,12 +2311,40 @@ class _Sharded(nn.Parameter):
                     continue
                 sched = t._zero_owner[0]()
                 if sched is not None:       # (None: its engine was dropped: the plain tensor it is)
-                    sched.read_outside(sched.units[t._zero_owner[1]], t._zero_name)
+                    _read_outside(sched, sched.units[t._zero_owner[1]], t._zero_name)
         return _PLAIN(func, types, args, kwargs or {})
+
+
+def _read_outside(sched, u, name):
+    """A parameter of u read where u is not gathered (outside its block). In the first forward,
+    which all ranks run alike, u is gathered and held whole from then on; later, gathering it
+    here would be this rank's collective alone (a hang, or a wrong pairing): refused."""
+    if sched.depth == 0:
+        raise RuntimeError(f"zero: '{name}' was read outside the model's forward, where its "
+                           "unit is not gathered: read weights from engine.full_state_dict()")
+    if sched.checked:
+        raise RuntimeError(f"zero: '{name}' was read outside its block '{u.name}' after the "
+                           "first forward, which did not read it so: gathering it now would be "
+                           "this rank's collective alone. Read it in every forward from the "
+                           "first, or pass zero.Zero(..., units=[...]) without its block")
+    u.hold()
+    u.unshard().mark(False)
 
 
 # -----------------------------------------------------------------------------
 # 10. Update rules beyond AdamW: Muon, and matrix rules
+
+
+def _elementwise(f, runs, groups, mult, out):
+    # a rule's one function, run by run on a Flat's owned slice: the gradient in fp32 times the step's
+    # multiplier (unscale, clip), each state's slice, the group's values as they are now, the step count
+    master = f.state["master"]
+    for a, b, j, step in runs:
+        grad = f.grad_shard[a:b].float() * mult     # a new tensor: the rule may write into it
+        state = {k: f.state[k][a:b] for k in f.rule.states}
+        f.rule.step(master[a:b], grad, state, groups[j], step)
+        if out is not None:
+            out[a:b].copy_(master[a:b])
 
 
 def newton_schulz(g, steps=5):
@@ -2597,6 +2432,14 @@ def _oriented(m):
     if m.transposed:
         return m.shape[::-1]
     return m.shape
+
+
+def _matrix_steps(units, plan, net):
+    # each matrix rule's step over the whole model: its matrices, all units', assigned to the shard ranks
+    by_rule = {}                            # rule name -> its Flats, in unit order
+    for f in (f for u in units for f in u.trains if f.rule.matrices):
+        by_rule.setdefault(f.rule.name, []).append(f)
+    return [MatrixStep(fs[0].rule, fs, plan, net) for fs in by_rule.values()]
 
 
 class MatrixStep:
@@ -2911,8 +2754,10 @@ def _param_groups(model, cfg, param_groups, optimizer):
     # parameters in no group: Config's rule with Config's values, weight decay on >= 2-D ones only; a
     # matrix rule on the matrices the modules say (as in nanoGPT and Hugging Face's models: not the
     # embeddings, nor the head), AdamW at adamw_lr on the rest
-    module_views = _module_views(model)
     main = RULES[cfg.update]
+    module_views = {}                       # (asked of the modules for a matrix rule only)
+    if main.matrices or any(RULES[g.get("update", "adamw")].matrices for g in groups):
+        module_views = _module_views(model)
     elementwise = main                      # the rule of the rest
     matrices = dict(params=[], update=main.name, **main.defaults(cfg))
     if main.matrices:
@@ -2972,6 +2817,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                            "use zero.save/zero.load")
 
     load_state_dict = state_dict
+
+
+def _refuse_divided(fn, accum):
+    # DDP's habit, loss / accum_steps (fn: the loss's grad_fn, a divide or a multiply), would divide
+    # twice (engine.backward divides): refused by name; (a + b) / 2 is two halves' mean
+    if "Add" in str(fn.next_functions[0][0]):
+        return
+    d = getattr(fn, "_saved_other", None)
+    one = isinstance(d, torch.Tensor) and d.numel() == 1 and d.device.type == "cpu"
+    if one and fn.name() == "MulBackward0":
+        d = 1 / d                           # loss * (1 / accum_steps)
+    if one and math.isclose(d.item(), accum, rel_tol=1e-6):
+        raise ValueError(f"zero: the loss is divided by accum_steps={accum}: pass the plain mean "
+                         "loss; engine.backward divides by accum_steps itself")
 
 
 def _foreign_step(opt, args, kwargs):
@@ -3037,6 +2896,117 @@ def _aliases(model):
     return out
 
 
+def _materialize(mods, init_fn, device, names):
+    """Meta tensors of `mods` made real on `device` (same objects: ties hold), then init_fn(m) or
+    reset_parameters(). Returns the names (`names`: each module's) of those nothing wrote: a forward
+    is refused until load_state_dict fills them."""
+    def marker(t):                      # a value no initializer writes (a bool tensor has none)
+        if t.is_floating_point() or t.is_complex():
+            return float("nan")
+        if t.dtype == torch.bool:
+            return 0
+        return torch.iinfo(t.dtype).min
+    made = []
+    for m in mods:
+        for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t.is_meta:               # (a tied tensor made real already is not)
+                new = torch.full_like(t, marker(t), device=device)
+                if isinstance(t, nn.Parameter):
+                    new = nn.Parameter(new, t.requires_grad)
+                torch.utils.swap_tensors(t, new)
+                made.append((m, n))
+    # init_fn sees every module (it may fill a module's own tensors), reset_parameters() only
+    # the modules with a made tensor, as it would overwrite real ones
+    with torch.no_grad():
+        if init_fn is None:
+            for m in dict.fromkeys(m for m, _ in made):
+                if callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+        elif made:
+            for m in mods:
+                init_fn(m)
+    unfilled = set()
+    for m, n in made:                   # a marker left: nothing initialized the tensor
+        t = getattr(m, n)
+        if t.is_floating_point() or t.is_complex():
+            left = t.isnan().any()
+        else:
+            left = t.dtype != torch.bool and (t == marker(t)).all()
+        if left:
+            prefix = names.get(id(m), "")
+            unfilled.add(f"{prefix}.{n}" if prefix else n)
+    return unfilled
+
+
+def _warn_rounded(names, dtype):
+    # once per build or load: a frozen base that the compute dtype rounds is not the one given
+    if names:
+        warnings.warn(f"zero: frozen parameters {names[:8]}{' ...' * (len(names) > 8)} change "
+                      f"when rounded to {dtype}, in which zero holds them; "
+                      "Config(frozen_dtype='fp32') keeps them exact")
+
+
+def _full_state_dict(engine, rank0_only=False):
+    """The whole model as a plain fp32 state_dict of CPU tensors (every rank calls it), gathered
+    and moved to the CPU a flat buffer at a time. rank0_only=True: the others get {}."""
+    engine.net.call("full_state_dict")
+    engine.settle()
+    returns = not rank0_only or engine.rank == 0   # this rank gets the values
+    values = {}                         # id(parameter) -> its value on the CPU
+    for f in (f for u in engine.units for f in u.flats):
+        full = f.state["master"].to(engine.device, _wide(f.dtype))   # fp32 master, or as held
+        if f.hi - f.lo < f.padded:      # sharded (at stage 0, and frozen at 0-2, it is whole)
+            mine, full = full, torch.empty(f.padded, dtype=full.dtype, device=engine.device)
+            engine.net.all_gather(full, mine, kind="state_dict")   # not training traffic
+        for p, o in zip(f.params, f.offsets):
+            if returns:                 # (rank0_only: the others only gather)
+                values[id(p)] = full[o:o + p.numel()].view(p.shape).to("cpu", copy=True)
+        del full
+    if not returns:
+        return {}
+    out = {}                            # the model's own keys: tied names, buffers
+    for k, t in _model_state(engine.module).items():
+        out[k] = values.get(id(t))
+        if out[k] is None:              # not a parameter: a buffer
+            out[k] = t.detach().to("cpu", _wide(t.dtype), copy=True)
+    return out
+
+
+def _load_state_dict(engine, state_dict, strict=True):
+    """Weights from a plain state_dict (model.state_dict() names, tied aliases too) into every
+    copy the engine keeps, each rank reading only its slices; Adam starts fresh. Missing,
+    unexpected and wrongly shaped entries are one error (strict=False: skipped, returned)."""
+    engine.net.call("load_state_dict")
+    engine.settle()
+    want = _model_state(engine.module)
+    aliases = _aliases(engine.module)
+    # each parameter is read under the first of its names that the state_dict has
+    slot = {id(p): next((a for a in aliases[id(p)] if a in state_dict), None)
+            for u in engine.units for p in u.params}
+    missing = [k for k, t in want.items() if k not in state_dict and not slot.get(id(t))]
+    unexpected = [k for k in state_dict if k not in want]
+    shape_of = {k: list(v.shape) for k, v in state_dict.items() if k in want}
+    bad = dict.fromkeys(k for k, shape in shape_of.items() if shape != list(want[k].shape))
+    shapes = [f"{k}: {shape_of[k]} vs the model's {list(want[k].shape)}" for k in bad]
+    if strict:
+        _mismatch("load_state_dict:", missing, unexpected, shapes)
+    use = {i: k for i, k in slot.items() if k is not None and k not in bad}
+
+    def read(name, p, start, n, key):   # the master weights only
+        if key == "master" and id(p) in use:
+            return state_dict[use[id(p)]].reshape(-1)[start:start + n]
+    bufs = {k: state_dict[k] for k in shape_of if k not in bad and id(want[k]) not in slot}
+    filled = {a for i in use for a in aliases[i]} | set(bufs)
+    _warn_rounded(_restore(engine, lambda: (read, bufs), "load the state_dict", filled), engine.cfg.dtype)
+    engine._resume(engine.step_count, {})   # the rules start fresh
+    return LoadResult(missing, unexpected, shapes)
+
+
+def _refuse_state_dict(*args, **kwargs):
+    raise RuntimeError("zero: model.state_dict() after zero.Zero(model) holds shards or stale copies: "
+                       "use engine.full_state_dict() (every rank calls it) or zero.save(engine, dir)")
+
+
 def _restore(engine, prepare, what, filled=None):
     """New weights (and optimizer state, where read() has them) into every copy the engine keeps;
     prepare() -> (read(name, param, start, n, key) -> elements or None, {state_dict key: buffer});
@@ -3097,6 +3067,28 @@ STORE_RATE = 2000   # requests a second to the store that all ranks' long waits 
                     # TCPStore, torchrun's rendezvous store too, served about 22k a second here)
 RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls one rank may make alone
 CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
+
+
+def _diverged(engine, every):
+    # the ranks' collectives or calls differed in this step: say which, change nothing, and stop
+    names = {u.index: u.name for u in engine.units}  # a collective's tag (None: the step's)
+    said = []                           # each rank's trace in words, "nothing" past its end
+    for t, _, _ in every:
+        said.append([f"{k} of {names.get(i, 'the step')}" for k, i in t] + ["nothing"])
+    t0 = every[0][0]
+    diff = "?"
+    for r, (t, _, _) in enumerate(every):
+        if t != t0:
+            j = next((j for j, (x, y) in enumerate(zip(t0, t)) if x != y), min(len(t0), len(t)))
+            diff = f"#{j}: rank 0's was {said[0][j]}, rank {r}'s {said[r][j]}"
+            break
+    ran = [f"rank {r}: {[names[i] for i in x]}" for r, (_, x, _) in enumerate(every[:4])]
+    engine.ledger_reset()
+    more = _more_calls({r: c for r, (_, _, c) in enumerate(every)})
+    raise RuntimeError(f"zero: the ranks ran different collectives in this step "
+                       f"({'; '.join(more + [diff])}); nothing was updated. Units each rank's "
+                       f"forwards ran: {'; '.join(ran)}. At stage 3 call every unit equally "
+                       "often on every rank, or stage 2")
 
 
 class Calls:
@@ -3308,6 +3300,64 @@ class Ledger:
         self.kinds = {}
         self.apart = {}
         return moved
+
+
+# Flat's tensors beside the state: memory()'s kind, and whether offload holds them on the host
+TENSORS = {"flat": ("params", False), "shard": ("params", False), "grad": ("grads", False),
+           "acc": ("grads", False), "grad_shard": ("grads", True), "staging": ("params", True)}
+
+
+def _held(f):
+    # (tensor, memory()'s kind, "device" or "host") of each tensor it has now
+    out = []
+    for name, (kind, offloaded) in TENSORS.items():
+        t = getattr(f, name)
+        if t is not None:
+            out.append((t, kind, "host" if offloaded and f.plan.offload else "device"))
+    for k, t in f.state.items():
+        kind = "master" if k == "master" else "optim"
+        out.append((t, kind, "host" if f.plan.offload else "device"))
+    if not f.trainable:              # frozen: on the device, whatever its role
+        return [(t, "frozen", "device") for t, _, _ in out]
+    return out
+
+# -- the gradient, from autograd's .grad to the reduced owned slice
+
+
+def _memory(engine):
+    """Bytes of model state this rank holds, by kind, on the device and the host, from the
+    tensors' storages, each once (on a CPU-only machine "device" and "host" are one memory,
+    split by role); of the host's, pinned_memory() says what is pinned."""
+    out = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
+           for w in ("device", "host")}
+    seen = set()                        # storages counted: views share one
+    for f in (f for u in engine.units for f in u.flats):
+        for t, kind, where in _held(f):
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                out[where][kind] += st.nbytes()
+    for m in engine.matrix_steps:         # a matrix rule's owner state, of the matrices it owns
+        out["device"]["optim"] += sum(t.untyped_storage().nbytes() for t in m.held())
+    return out
+
+
+def _pinned_memory(engine):
+    """The host bytes of memory() that CUDA has page-locked, by kind: with offload on CUDA the
+    gradient shard (grads) and the 16-bit staging copy (params), crossing the bus each step."""
+    out = dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
+    for kind, (block, used, pinned) in engine.pinned.items():
+        if pinned:
+            out[PINNED[kind]] += used * block.element_size()
+    return out
+
+
+def _num_params(engine, padded=False, frozen=False):
+    # Ψ of the formulas: trainable (or frozen) parameters, as given or as the buffers hold them
+    flats = [f for u in engine.units for f in u.flats if f.trainable != frozen]
+    if padded:
+        return sum(f.padded for f in flats)
+    return sum(f.numel for f in flats)
 
 
 # -----------------------------------------------------------------------------

@@ -1013,7 +1013,7 @@ def report_gpu(quick):
         eng.backward(eng(x, y))
         eng.step()
         eng.settle()
-        exact.append(all(torch.equal(u.train.owned.cpu(), u.train.state["master"].to(torch.bfloat16))
+        exact.append(all(torch.equal(u.trains[0].owned.cpu(), u.trains[0].state["master"].to(torch.bfloat16))
                          for u in eng.units))
     unused = eng.full_state_dict()["unused.weight"]
     pinned = sum(eng.pinned_memory().values())

@@ -202,6 +202,11 @@ class TinyNet(nn.Module):
         return out
 
 
+def first_flat(unit):
+    """A unit's first trainable Flat, or None (all frozen)."""
+    return unit.trains[0] if unit.trains else None
+
+
 def make_model(seed=0, **kw):
     torch.manual_seed(seed)
     return TinyNet(**kw)
@@ -266,8 +271,8 @@ def train(rank, world, cfg, steps, batch, model_kw=None, lr_schedule=None):
             assert len(set(every)) == 1, every
     return dict(losses=losses, norms=norms, oks=oks, sd=engine.full_state_dict(), mem=engine.memory(),
                 comm=engine.comm(), psi=engine.num_params(), psi_padded=engine.num_params(padded=True),
-                root=engine.root.train.padded if engine.root else 0, scale=engine.loss_scale,
-                peak_gathered=engine.peak_gathered_bytes, max_unit=max(u.train.padded for u in engine.units[:-1]),
+                root=first_flat(engine.root).padded if engine.root else 0, scale=engine.loss_scale,
+                peak_gathered=engine.peak_gathered_bytes, max_unit=max(first_flat(u).padded for u in engine.units[:-1]),
                 frozen=engine.num_params(padded=True, frozen=True), root_all=sum(f.padded for f in engine.root.flats),
                 muon_padded=sum(f.padded for u in engine.units for f in u.trains if f.rule.name == "muon"),
                 step_count=engine.step_count)
@@ -409,7 +414,7 @@ def reference16(steps, batch, world, cfg, accum=1, skip=(), scales=None, lr=None
 def _poison_grad(engine):
     """An inf in this rank's next gradient, as an fp16 overflow would leave it (the step is agreed at the end of
     the last backward: the inf must be there by then)."""
-    p = engine.units[0].train.params[0]
+    p = first_flat(engine.units[0]).params[0]
 
     def poison(g):
         handle.remove()
@@ -745,8 +750,8 @@ def _pass_through_case(rank, world, reuse, checkpoint):
         calls.clear()
         engine.backward(engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]))
         engine.step()
-    units = [u.train.padded for u in engine.units]
-    return dict(comm=engine.comm(), psi=engine.num_params(padded=True), root=engine.root.train.padded, calls=list(calls),
+    units = [first_flat(u).padded for u in engine.units]
+    return dict(comm=engine.comm(), psi=engine.num_params(padded=True), root=first_flat(engine.root).padded, calls=list(calls),
                 units=units, peak=engine.peak_gathered_bytes)
 
 
@@ -1104,7 +1109,7 @@ def _build_memory(rank, world, meta, n_blocks, d):
     peak = int(hwm[0]) * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     mem = engine.memory()["device"]
     return dict(growth=peak - before, shards=sum(mem.values()), psi=engine.num_params(),
-                unit=max(u.train.padded for u in engine.units[:-1]) * 4)
+                unit=max(first_flat(u).padded for u in engine.units[:-1]) * 4)
 
 
 def test_building_on_the_meta_device_holds_shards_plus_a_few_units():
@@ -1323,7 +1328,7 @@ def test_param_groups_go_through_checkpoints(tmp_path):
 # fp16 overflow: an inf in one rank's gradient skips the step on every rank and loses nothing
 
 def _state(engine):
-    return [t.clone() for u in engine.units if u.train for f in [u.train]
+    return [t.clone() for u in engine.units if first_flat(u) for f in [first_flat(u)]
             for t in (*f.state.values(), f.flat if f.shard is None else f.shard)]
 
 
@@ -1652,7 +1657,7 @@ def test_recompute_cuts_saved_activations():
 # checkpoints: bit-exact resume, another world size and stage, consolidation, crashes, bad files
 
 def _shard_state(engine):
-    return [torch.cat([u.train.state[k].float().flatten() for u in engine.units if u.train])
+    return [torch.cat([first_flat(u).state[k].float().flatten() for u in engine.units if first_flat(u)])
             for k in ("master", "exp_avg", "exp_avg_sq")]
 
 
@@ -1895,7 +1900,7 @@ def _overlap_case(rank, world):
         for verb, name, u in ((v, n, u) for v, n in (("launch", "reduce"), ("finish", "finish_reduce"))
                               for u in engine.units):
             def spy(*a, real=getattr(u, name), verb=verb):
-                seen[verb].append(sum(not x.train.got for x in engine.units))
+                seen[verb].append(sum(not first_flat(x).got for x in engine.units))
                 return real(*a)
             setattr(u, name, spy)
         x, y = make_batches(1, 2 * world)
@@ -2062,7 +2067,7 @@ def test_user_chosen_units():
     model = make_model()
     engine = zero.Zero(model, zero.Config(stage=3, dtype="fp32", lr=LR), units=[model.blocks[0], model.blocks[2]])
     assert [u.module for u in engine.units[:-1]] == [model.blocks[0], model.blocks[2]]
-    assert any(n.startswith("blocks.1.") for n in engine.root.train.names)
+    assert any(n.startswith("blocks.1.") for n in first_flat(engine.root).names)
     xs, ys = make_batches(STEPS, BATCH)
     for s in range(STEPS):
         engine.backward(engine(xs[s], ys[s])["loss"])
@@ -2304,7 +2309,7 @@ class Probe:
 
     def sample(self):
         e = self.engine
-        grads = sum(u.train is not None and u.train.grad is not None for u in e.units if u is not e.root)
+        grads = sum(first_flat(u) is not None and first_flat(u).grad is not None for u in e.units if u is not e.root)
         params = sum(f.flat.untyped_storage().nbytes() for u in e.units for f in u.flats)
         phase = self.harness.phase if self.harness else "any"
         g, p = self.peak.get(phase, (0, 0))
@@ -2400,7 +2405,7 @@ def _nccl_cases(rank, world, cases, steps, per):
         h.phase, h.waits, h.launches = "outside", [], []
         r = engine_run(engine, batches, steps, rank, world, per, h, loss_of)
         out[(name, stage, accum, offload)] = dict(r, waits=list(h.waits), launches=list(h.launches),
-                                                  peak=probe.peak, unit=max(u.train.padded * 4 for u in engine.sched.order),
+                                                  peak=probe.peak, unit=max(first_flat(u).padded * 4 for u in engine.sched.order),
                                                   root=sum(f.padded * 4 for f in engine.root.flats))
     h.close()
     return out
@@ -2438,7 +2443,7 @@ def _staging_case(rank, world, stage):
     torch.manual_seed(0)
     engine = zero.Zero(PartlyUsed(), zero.Config(stage=stage, dtype="bf16", lr=LR, offload=True))
     for u in engine.units:      # the CUDA path, forced on the CPU: the host update writes this buffer first
-        u.train.staging = torch.full((u.train.hi - u.train.lo,), float("nan"), dtype=torch.bfloat16)
+        first_flat(u).staging = torch.full((first_flat(u).hi - first_flat(u).lo,), float("nan"), dtype=torch.bfloat16)
     xs = torch.randn(4, 4 * world, 6, generator=torch.Generator().manual_seed(3))
 
     def steps(a, b):            # model.extra never gets a gradient
@@ -2447,7 +2452,7 @@ def _staging_case(rank, world, stage):
             engine.step()
         engine.settle()        # the host update done, and gathered
         # the 16-bit parameters are the rounding of the fp32 masters, those without a gradient included
-        return all(torch.equal(u.train.owned, u.train.state["master"].to(torch.bfloat16)) for u in engine.units)
+        return all(torch.equal(first_flat(u).owned, first_flat(u).state["master"].to(torch.bfloat16)) for u in engine.units)
     ok = [steps(0, 2)]
     sd = engine.full_state_dict()
     sd.update({k: torch.full_like(v, 0.25) for k, v in sd.items() if k.startswith("extra")})
@@ -2525,7 +2530,7 @@ def _many_ranks_cases(rank, world):
         cfg = zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=accum, offload=offload)
         r = train(rank, world, cfg, STEPS, 16 * accum, dict(shift=True))
         engine = zero.Zero(make_model(shift=True), cfg)
-        f = engine.units[-2].train          # the Shift block
+        f = first_flat(engine.units[-2])          # the Shift block
         out[(stage, accum, offload)] = dict(r, padding_only=f.lo >= f.numel)
     return out
 
@@ -2826,8 +2831,8 @@ def _reduce_cases(rank, world):
                 engine.backward(engine(xs[0, sl], ys[0, sl])["loss"])
         finally:
             zero._reduce_scatter = real
-        shards = [u.train.grad_shard.double().clone() for u in engine.sched.launch]
-        out[("sums", red)] = dict(sent=sent, shards=shards, bounds=[(u.train.lo, u.train.hi) for u in
+        shards = [first_flat(u).grad_shard.double().clone() for u in engine.sched.launch]
+        out[("sums", red)] = dict(sent=sent, shards=shards, bounds=[(first_flat(u).lo, first_flat(u).hi) for u in
                                                                     engine.sched.launch])
     return out
 
@@ -2861,7 +2866,7 @@ def _moe_release(rank, world):
     engine = zero.Zero(Routed(), zero.Config(stage=3, dtype="fp32", lr=LR))
     probe = Probe(engine)
     engine_run(engine, routed_batches, 2, rank, world, 4)
-    return probe.peak["any"][1], max(u.train.padded * 4 for u in engine.sched.order), engine.num_params(padded=True) * 4
+    return probe.peak["any"][1], max(first_flat(u).padded * 4 for u in engine.sched.order), engine.num_params(padded=True) * 4
 
 
 def test_experts_without_tokens_hold_no_more_memory():
@@ -3215,8 +3220,8 @@ def _count_cases(rank, world, cases):
             engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=accum,
                                                          offload=offload, shard_group=k))
             xs, ys = make_batches(4, 2 * world * accum)
-            unit_sizes = {u.train.padded for u in engine.units if u.train}
-            shard_sizes = {u.train.padded // (k or world) for u in engine.units if u.train}
+            unit_sizes = {first_flat(u).padded for u in engine.units if first_flat(u)}
+            shard_sizes = {first_flat(u).padded // (k or world) for u in engine.units if first_flat(u)}
             per_step, per_micro = [], []
             for s in range(4):
                 counter.on, counter.calls = s >= 2, []      # steady steps: after the first backward's learning
@@ -3237,7 +3242,7 @@ def _count_cases(rank, world, cases):
                 micro=[[c for c in x if not data(c) and not (k and replica(c))] for x in per_micro],
                 step=[[c for c in x if not data(c) and not (k and replica(c))] for x in per_step],
                 replica=[sum(1 for c in x if k and replica(c)) for x in per_step + per_micro],
-                units=sum(1 for u in engine.units if u.train))
+                units=sum(1 for u in engine.units if first_flat(u)))
     finally:
         counter.close()
     return out
@@ -4399,8 +4404,8 @@ def _torch_path_cases(rank, world, chunk):
                 sched.step()
                 hyper = [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
                 # one call per flat buffer and distinct hyperparameters among the parameters this rank owns a part of
-                want = sum(len({hyper[f.group[i]] for _, _, i in f.pieces}) for u in engine.units if u.train
-                           for f in [u.train])
+                want = sum(len({hyper[f.group[i]] for _, _, i in f.pieces}) for u in engine.units if first_flat(u)
+                           for f in [first_flat(u)])
                 per_step.append((len(calls) - before, want, sum(calls[before:])))
             out[(stage, dtype, offload)] = dict(_steps(rank, world, engine, step=step), calls=per_step)
     finally:
@@ -4509,9 +4514,9 @@ def _stream_order_cases(rank, world):
         with recorded_streams(log):
             engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype=dtype, lr=LR, offload=True))
             for u in engine.units:          # the CUDA path's staging copy, as test_offload_staging_... forces it
-                u.train.staging = torch.full((u.train.hi - u.train.lo,), float("nan"), dtype=zero.DTYPES[dtype])
-            shards = {u.train.grad_shard.data_ptr() for u in engine.units}
-            staging = {(u.train.out.data_ptr(), u.train.staging.data_ptr()): u.train.staging.nbytes for u in engine.units}
+                first_flat(u).staging = torch.full((first_flat(u).hi - first_flat(u).lo,), float("nan"), dtype=zero.DTYPES[dtype])
+            shards = {first_flat(u).grad_shard.data_ptr() for u in engine.units}
+            staging = {(first_flat(u).out.data_ptr(), first_flat(u).staging.data_ptr()): first_flat(u).staging.nbytes for u in engine.units}
             log.clear()                     # the build's copies, into memory that was not yet these tensors'
             r = _steps(rank, world, engine)
         out[(stage, dtype)] = dict(r, log=log, shards=shards, staging=staging)
@@ -4806,7 +4811,7 @@ def _cuda_offload_streams(rank, world):
     for stage, dtype in [(1, "bf16"), (2, "bf16"), (3, "bf16"), (2, "fp32")]:
         engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype=dtype, lr=LR, offload=True))
         assert engine.device.type == "cuda"
-        shards = {u.train.grad_shard.data_ptr() for u in engine.units}
+        shards = {first_flat(u).grad_shard.data_ptr() for u in engine.units}
         copies, seen = engine.worker.copies, []
 
         def logged_copy(dst, src, *a, **k):  # each gradient shard's copy to the host: which stream it is put on
@@ -4862,7 +4867,7 @@ def _pin_cases(rank, world):
         with forced_pin_path(register) as calls, warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype=dtype, lr=LR, offload=True))
-            flats = [u.train for u in engine.units if u.train]
+            flats = [first_flat(u) for u in engine.units if first_flat(u)]
             regs = [(p, p + n) for kind, p, n in calls if kind == "register"]
             inside = lambda t: any(a <= _span(t)[0] and _span(t)[1] <= b for a, b in regs)   # noqa: E731
             kinds = {"grad_shard": [inside(f.grad_shard) for f in flats], "staging": [inside(f.staging) for f in flats],
@@ -4913,7 +4918,7 @@ def _cuda_pinned(rank, world):
     out = {}
     for stage, dtype in [(2, "bf16"), (3, "fp32")]:
         engine = zero.Zero(make_model(), zero.Config(stage=stage, dtype=dtype, lr=LR, offload=True))
-        flats = [u.train for u in engine.units if u.train]
+        flats = [first_flat(u) for u in engine.units if first_flat(u)]
         kinds = {k: [t.is_pinned() for t in ts] for k, ts in (
             ("grad_shard", [f.grad_shard for f in flats]), ("staging", [f.staging for f in flats]),
             ("master", [f.state["master"] for f in flats]), ("exp_avg", [f.state["exp_avg"] for f in flats]),
@@ -4959,8 +4964,8 @@ def _cuda_fused_cases(rank, world):
                 ok = engine.step()
                 sched.step()
                 hyper = [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
-                per_step.append((len(calls) - before, sum(len({hyper[u.train.group[i]] for _, _, i in u.train.pieces})
-                                                          for u in engine.units if u.train)))
+                per_step.append((len(calls) - before, sum(len({hyper[first_flat(u).group[i]] for _, _, i in first_flat(u).pieces})
+                                                          for u in engine.units if first_flat(u))))
                 return ok
             out[stage] = dict(_cuda_steps(engine, step=step), calls=per_step, views=(len(views), all(views)))
     finally:

@@ -217,25 +217,6 @@ def divide_factors(n):
 # all-gather (each rank's slice to all) carry ZeRO, one call per flat buffer; on one rank, copies.
 
 
-def init_distributed(timeout_s=300.0):
-    """Join the torchrun job of RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ and cuda:
-        return 0, 1, torch.device("cuda", torch.cuda.current_device())
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cpu")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cpu")
-    if cuda:                                # (mod: a process shown one GPU takes it)
-        local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)       # before NCCL starts, or every rank talks through GPU 0
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return rank, world, device
-
-
 # torch 2.13's names (>= 2.4 has the old ones); looked up at each call, so that a test can wrap them
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -749,8 +730,6 @@ class Flat:
         grain = plan.shards * align         # equal shards, each on 16 bytes
         self.padded = -(-self.end // grain) * grain     # the buffer's length
         ends = [o + n for o, n in zip(self.offsets, sizes)]
-        gaps = [torch.arange(e, s) for e, s in zip(ends, self.offsets[1:] + [self.padded])]
-        self.gaps = torch.cat(gaps).to(plan.device)     # the elements no parameter holds: zeros
         # the slice this rank owns, [lo, hi): one of plan.shards, or all (stage 0; frozen at 1-2)
         size = self.padded
         self.lo = 0
@@ -766,18 +745,7 @@ class Flat:
         self.steps = [0] * len(sizes)       # the rule's steps (AdamW's bias correction)
         self.group = list(groups or [0] * len(sizes))   # its param group
         self.used = [False] * len(sizes)    # a gradient came on some rank for this step
-        # a matrix rule's matrices, in order: each parameter's view (matrices, rows, cols, transposed)
-        # as laid out (_param_groups), one Matrix per matrix of it (an expert tensor's one per expert)
-        self.matrices = []
-        for i, (count, rows, cols, transposed) in enumerate(views or []):
-            if rows * cols == 0:            # a parameter of no elements: no matrix
-                continue
-            for e in range(count):
-                name = self.names[i]
-                if count > 1:
-                    name = f"{name}[{e}]"
-                start = self.offsets[i] + e * rows * cols
-                self.matrices.append(Matrix(self, i, start, (rows, cols), transposed, name))
+        self.matrices = _matrices(self, views or [])   # a matrix rule's, in order (section 10)
         self.written = set()                # those whose gradient is in grad
         self.got = set()                    # those whose gradient came since the last step
         # what build() makes
@@ -836,9 +804,10 @@ class Flat:
                 if not torch.equal(full[o:o + p.numel()], self.flat[o:o + p.numel()].float())]
 
     def take_grad(self, i, p):
-        # parameter i's .grad into the whole gradient at once (stages 2-3: this micro-batch's only)
+        # parameter i's .grad into the whole gradient at once (stages 2-3: this micro-batch's only),
+        # made zeros: the gaps between the parameters stay zero through every reduction
         if self.grad is None:
-            self.grad = torch.empty(self.padded, dtype=self.plan.grad_dtype, device=self.plan.device)
+            self.grad = torch.zeros(self.padded, dtype=self.plan.grad_dtype, device=self.plan.device)
         o = self.offsets[i]
         dst = self.grad[o:o + p.numel()]
         with torch.no_grad():
@@ -851,14 +820,13 @@ class Flat:
         p.grad = None
 
     def to_reduce(self):
-        # the whole gradient as the reduction takes it: zero where none came (not last window's) and
-        # in the gaps (torch.empty's), divided by the part of the mean that comes before the sum
+        # the whole gradient as the reduction takes it: zero where none came (not last window's),
+        # divided by the part of the mean that comes before the sum
         if self.grad is None:
             self.grad = torch.zeros(self.padded, dtype=self.plan.grad_dtype, device=self.plan.device)
         for i, (p, o) in enumerate(zip(self.params, self.offsets)):
             if i not in self.written:
                 self.grad[o:o + p.numel()].zero_()
-        self.grad.index_fill_(0, self.gaps, 0)
         self.written = set(range(len(self.params)))
         return self.grad.mul_(1.0 / self.plan.divide[0])
 
@@ -961,9 +929,6 @@ class Unit:
         self.worker = worker                # offload: the HostWorker that updates it
         self.params = [p for f in flats for p in f.params]
         self.trains = [f for f in flats if f.trainable]
-        self.train = None                   # the first trainable Flat (None: all frozen)
-        if self.trains:
-            self.train = self.trains[0]
         # the Flats a gather fills: stage 3's all, stages 1-2's trainable ones (updates change them)
         self.to_gather = [f for f in flats if f.trainable or plan.shards_params]
         self.phase = WHOLE                  # FREED, STALE, GATHERING or WHOLE
@@ -1646,30 +1611,6 @@ class Schedule:
 _ENGINES = weakref.WeakSet()  # every live engine: for the check of torch optimizers, and the exit
 
 
-@atexit.register
-def _close_groups():
-    # at exit, wait for what is in flight and destroy the process groups so that their gloo threads
-    # end before Python finalizes: one dropping a finished collective's tensors then aborts the
-    # process ("terminate called without an active exception")
-    engines = list(_ENGINES)
-    works = [w for e in engines for u in e.units for w in u.works]
-    works += [w for e in engines for _, ws in e.sched.in_flight for w in ws]
-    try:
-        for w in works:
-            if w is not None:               # (one rank: nothing was launched)
-                w.wait(datetime.timedelta(seconds=5))
-    except RuntimeError:                    # a collective that failed or never ends: joining hangs
-        return
-    for e in engines:
-        e.sched.drop_in_flight()
-        e.net.drop_groups()
-        for u in e.units:
-            u.drop_works()
-    while _GROUPS:                          # dropping each one's last reference joins its threads
-        with contextlib.suppress(Exception):   # one the script destroyed already
-            dist.destroy_process_group(_GROUPS.popitem()[1])
-
-
 class Zero:
     """Wraps a model: shards it into units in place, hooks forward and backward, steps the update rules
     on this rank's shard. Call it like the model (it lends the model's attributes); backward(), step()."""
@@ -1755,7 +1696,7 @@ class Zero:
         rounded = []                        # frozen parameters the compute dtype changes
         for m in unit_modules + [self.module]:
             mods = list(_post_order(m, stop - {id(m)}))   # the root: every module outside the units
-            if any(t.is_meta for m in mods for t in (*m.parameters(False), *m.buffers(False))):
+            if any(t.is_meta for x in mods for t in (*x.parameters(False), *x.buffers(False))):
                 self.unfilled |= _materialize(mods, init_fn, self.device, self.names)   # section 12
             self._place_buffers(mods)
             if id(m) in unit_of:
@@ -1919,18 +1860,11 @@ class Zero:
         return self.optimizer.step()        # through the optimizer, which LR schedulers watch
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        """torch.nn.utils.clip_grad_norm_ of the engine's gradients (torch's, given them, calls
-        this), between the last backward and step(): returns the global norm of the unscaled mean
-        gradient, and the step clips at max_norm instead of Config.grad_clip."""
-        if float(norm_type) != 2.0:
-            raise ValueError(f"zero: clip_grad_norm_(norm_type={norm_type}): zero clips the L2 "
-                             "norm; use 2.0")
-        norm = self._agree()
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(f"zero: the total norm of the gradients is {norm} "
-                               "(error_if_nonfinite=True)")
+        # torch.nn.utils.clip_grad_norm_ of the engine's gradients (section 11): the global norm, and
+        # the step clips at max_norm instead of Config.grad_clip
+        norm = _clip_norm(self, norm_type, error_if_nonfinite)
         self.clip = float(max_norm)
-        return torch.tensor(norm)
+        return norm
 
     def _agree(self):
         """The step up to the update, once (clip_grad_norm_ may run it first): one fp64 all-reduce
@@ -2408,6 +2342,22 @@ VIEW_KEYS = ("view", "transposed")  # a matrix rule's group may say how its tens
 Matrix = collections.namedtuple("Matrix", "flat i start shape transposed name")
 
 
+def _matrices(f, views):
+    # Flat f's matrices, in order: each parameter's view (matrices, rows, cols, transposed) as laid out
+    # (_param_groups), one Matrix per matrix of it (an expert tensor's one per expert)
+    out = []
+    for i, (count, rows, cols, transposed) in enumerate(views):
+        if rows * cols == 0:                # a parameter of no elements: no matrix
+            continue
+        for e in range(count):
+            name = f.names[i]
+            if count > 1:
+                name = f"{name}[{e}]"
+            start = f.offsets[i] + e * rows * cols
+            out.append(Matrix(f, i, start, (rows, cols), transposed, name))
+    return out
+
+
 def ns_cost(rows, cols):
     """A Newton-Schulz iteration's multiply-adds on a rows x cols matrix, m the smaller side and n the
     larger: X Xᵀ (m·m·n), its square (m³), that times X (m·m·n)."""
@@ -2856,6 +2806,18 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
     return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
 
+def _clip_norm(engine, norm_type, error_if_nonfinite):
+    """torch.nn.utils.clip_grad_norm_ of an engine's gradients (torch's, given them, calls it), between
+    the last backward and step(): the global norm of the unscaled mean gradient (the step's agreement,
+    run early), as a tensor; the engine's step then clips at the max_norm it was given."""
+    if float(norm_type) != 2.0:
+        raise ValueError(f"zero: clip_grad_norm_(norm_type={norm_type}): zero clips the L2 norm; use 2.0")
+    norm = engine._agree()
+    if error_if_nonfinite and not math.isfinite(norm):
+        raise RuntimeError(f"zero: the total norm of the gradients is {norm} (error_if_nonfinite=True)")
+    return torch.tensor(norm)
+
+
 def _compile(model=None, **kwargs):
     # torch.compile(engine) compiles the model inside it (as if before wrapping), returns the engine
     if isinstance(model, Zero):
@@ -3059,7 +3021,7 @@ def _restore(engine, prepare, what, filled=None):
 
 
 # -----------------------------------------------------------------------------
-# 13. Call checks through the store
+# 13. Call checks through the store, and the exit
 
 
 POLL_S = 1.0    # a CPU wait this long compares the ranks' calls in the store (a call made alone)
@@ -3067,6 +3029,30 @@ STORE_RATE = 2000   # requests a second to the store that all ranks' long waits 
                     # TCPStore, torchrun's rendezvous store too, served about 22k a second here)
 RARE = ("full_state_dict", "load_state_dict", "save", "load")   # calls one rank may make alone
 CALLS = ("forward", "no_grad forward", "backward", "step") + RARE
+
+
+@atexit.register
+def _close_groups():
+    # at exit, wait for what is in flight and destroy the process groups so that their gloo threads
+    # end before Python finalizes: one dropping a finished collective's tensors then aborts the
+    # process ("terminate called without an active exception")
+    engines = list(_ENGINES)
+    works = [w for e in engines for u in e.units for w in u.works]
+    works += [w for e in engines for _, ws in e.sched.in_flight for w in ws]
+    try:
+        for w in works:
+            if w is not None:               # (one rank: nothing was launched)
+                w.wait(datetime.timedelta(seconds=5))
+    except RuntimeError:                    # a collective that failed or never ends: joining hangs
+        return
+    for e in engines:
+        e.sched.drop_in_flight()
+        e.net.drop_groups()
+        for u in e.units:
+            u.drop_works()
+    while _GROUPS:                          # dropping each one's last reference joins its threads
+        with contextlib.suppress(Exception):   # one the script destroyed already
+            dist.destroy_process_group(_GROUPS.popitem()[1])
 
 
 def _diverged(engine, every):
@@ -3868,10 +3854,29 @@ def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
 
 
 # -----------------------------------------------------------------------------
-# 16. Memory estimator and the command line
+# 16. Launching, the memory estimator and the command line
 #
 # The paper's formula in Zero.memory()'s kinds (a test holds the two equal on a real model);
 # `python zero.py estimate` prints the paper's 7.5B-parameter, 64-GPU example.
+
+
+def init_distributed(timeout_s=300.0):
+    """Join the torchrun job of RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ and cuda:
+        return 0, 1, torch.device("cuda", torch.cuda.current_device())
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cpu")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cpu")
+    if cuda:                                # (mod: a process shown one GPU takes it)
+        local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)       # before NCCL starts, or every rank talks through GPU 0
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, device
 
 
 def estimate_memory(num_params, world_size, stage, dtype="fp16", offload=False, shard_group=0,

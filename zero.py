@@ -934,7 +934,9 @@ class Unit:
         self.phase = WHOLE                  # FREED, STALE, GATHERING or WHOLE
         self.works = []                     # the all-gathers in flight (GATHERING)
         self.held = is_root                 # this rank keeps its storage while a backward is pending
-        self.replica_works = []             # hybrid: (flat, gradient, work) summing across groups
+        self.replica = None                 # hybrid: its sums across shard groups (section 11b)
+        if plan.replicas > 1:
+            self.replica = Replica(self)
         self.updating = None                # offload: the Future of its host update
 
     # -- the phases
@@ -1027,19 +1029,10 @@ class Unit:
         for f, work in zip(self.trains, works):
             self.net.wait(work)
             dev = f.reduced(micro)
-            if last and self.plan.replicas > 1:
-                work = self.net.all_reduce(dev, "replica", "replica_all_reduce", False, self.index)
-                self.replica_works.append((f, dev, work))
+            if last and self.replica is not None:   # summed across shard groups first
+                self.replica.launch(f, dev)
             elif last and self.plan.offload:
                 self.to_host(f, dev)
-
-    def finish_replica(self):
-        # hybrid: the sums across shard groups awaited; offload then sends them to the host
-        for f, dev, work in self.replica_works:
-            self.net.wait(work)
-            if self.plan.offload:
-                self.to_host(f, dev)
-        self.replica_works = []
 
     def to_host(self, f, dev):
         f.to_host(dev, self.worker.copies)
@@ -1886,7 +1879,8 @@ class Zero:
         trained = self.trained
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for u in trained:
-            u.finish_replica()
+            if u.replica is not None:       # hybrid: its sums across shard groups awaited
+                u.replica.finish()
             for f in u.trains:
                 sq += f.sq_norm()
         # a copy several hybrid replicas hold counts once: the others add 0 times theirs (nan if not
@@ -2828,6 +2822,35 @@ def _compile(model=None, **kwargs):
 register_optimizer_step_pre_hook(_foreign_step)
 torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
 torch.compile = functools.wraps(_torch_compile)(_compile)
+
+
+# -----------------------------------------------------------------------------
+# 11b. Hybrid sharding
+#
+# Config(shard_group=k): the model states are sharded over groups of k consecutive ranks (Comm's "shard"
+# groups) and replicated across them; a reduced gradient shard is then summed across the shard groups
+# (the "replica" group: the ranks holding the same shard) once per step, in its last backward.
+
+class Replica:
+    """A unit's sums across shard groups: each trainable Flat's reduced shard all-reduced in the replica
+    group as its reduce-scatter lands (Unit.finish_reduce), awaited by the step (Zero._agree); offload
+    then sends the sum to the host."""
+
+    def __init__(self, unit):
+        self.unit = unit                    # whose Flats it sums
+        self.works = []                     # (flat, reduced shard, work) in flight
+
+    def launch(self, f, dev):
+        net = self.unit.net
+        self.works.append((f, dev, net.all_reduce(dev, "replica", "replica_all_reduce", False,
+                                                  self.unit.index)))
+
+    def finish(self):
+        for f, dev, work in self.works:
+            self.unit.net.wait(work)
+            if self.unit.plan.offload:
+                self.unit.to_host(f, dev)
+        self.works = []
 
 
 # -----------------------------------------------------------------------------

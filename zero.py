@@ -270,9 +270,9 @@ class Comm:
     """The engine's process groups, made with timeout_s: `shard` (gathers and reductions on one
     communicator, as FSDP2: one order, trivially), `replica` (hybrid: the reduced shard summed
     across shard groups), `world` (the step's all-reduce, the setup, objects; the shard group
-    without hybrid). Launches are asynchronous, counted in the ledger (section 14) as a ring sends
+    without hybrid). Launches are asynchronous, counted in the ledger (section 15) as a ring sends
     them and traced for the step's agreement. The ranks agree through agree() (one all-reduce, an
-    explanation only where they differ); a wait that runs long compares the ranks' calls (section 13)."""
+    explanation only where they differ); a wait that runs long compares the ranks' calls (section 14)."""
 
     def __init__(self, cfg, group=None):
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)   # of each group made, each wait
@@ -299,8 +299,8 @@ class Comm:
         self.replica = self.rank // k       # this rank's shard group ...
         self.shard_rank = self.rank % k     # ... and its place in it
         self.groups = self._make_groups(group, cfg.timeout_s)   # purpose -> (process group, size)
-        self.ledger = Ledger()              # what each kind of collective moved (section 14)
-        self.calls = Calls(self, cfg)       # this rank's calls, compared with the others' (section 13)
+        self.ledger = Ledger()              # what each kind of collective moved (section 15)
+        self.calls = Calls(self, cfg)       # this rank's calls, compared with the others' (section 14)
         # NCCL makes a communicator at its first call: here, not at peak memory (each once)
         for pg in {id(g): g for g, n in self.groups.values() if n > 1}.values():
             self.wait(_all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True))
@@ -314,7 +314,7 @@ class Comm:
             raise ValueError("zero.Zero: hybrid sharding on group= under init_process_group("
                              "device_id=...): init without device_id, or pass no group")
         sets = {"shard": [self.ranks[i:i + k] for i in range(0, self.world, k)]}
-        if hybrid:                          # section 11
+        if hybrid:                          # section 10
             sets.update(replica=[self.ranks[j::k] for j in range(k)], world=[self.ranks])
         groups = {}
         for purpose, members in sets.items():
@@ -416,7 +416,7 @@ class Comm:
 
     def all_to_all(self, out, inp, out_splits, in_splits, kind):
         # uneven pieces to and from each rank of the shard group (a matrix rule's exchange with the
-        # matrices' owners, section 10), counted as this rank sends them: all but its own piece
+        # matrices' owners, section 11), counted as this rank sends them: all but its own piece
         group = self.groups["shard"]        # (process group, size)
         self.ledger.count(kind, sum(in_splits) - in_splits[self.shard_rank], inp.element_size())
         self.trace.append((kind, None))
@@ -531,8 +531,8 @@ class LossScaler:
 #
 # An update rule is one entry of RULES (Rule): the state it keeps beside each fp32 master, its param group
 # keys, their checks, and its step on a Flat's owned slice. AdamW's step is memory-bound on that slice:
-# on CUDA torch's fused AdamW runs it; on the CPU a C kernel (section 15) does torch's operations in one
-# pass that also reads a bf16 gradient and writes the bf16 weights. Matrix rules (Muon): section 10.
+# on CUDA torch's fused AdamW runs it; on the CPU a C kernel (section 17) does torch's operations in one
+# pass that also reads a bf16 gradient and writes the bf16 weights. Matrix rules (Muon): section 11.
 
 
 CONVERT_CHUNK = 1 << 22     # elements of a 16-bit gradient converted to fp32 at a time, into _scratch[device]
@@ -745,7 +745,7 @@ class Flat:
         self.steps = [0] * len(sizes)       # the rule's steps (AdamW's bias correction)
         self.group = list(groups or [0] * len(sizes))   # its param group
         self.used = [False] * len(sizes)    # a gradient came on some rank for this step
-        self.matrices = _matrices(self, views or [])   # a matrix rule's, in order (section 10)
+        self.matrices = _matrices(self, views or [])   # a matrix rule's, in order (section 11)
         self.written = set()                # those whose gradient is in grad
         self.got = set()                    # those whose gradient came since the last step
         # what build() makes
@@ -934,7 +934,7 @@ class Unit:
         self.phase = WHOLE                  # FREED, STALE, GATHERING or WHOLE
         self.works = []                     # the all-gathers in flight (GATHERING)
         self.held = is_root                 # this rank keeps its storage while a backward is pending
-        self.replica = None                 # hybrid: its sums across shard groups (section 11b)
+        self.replica = None                 # hybrid: its sums across shard groups (section 10)
         if plan.replicas > 1:
             self.replica = Replica(self)
         self.updating = None                # offload: the Future of its host update
@@ -1678,7 +1678,7 @@ class Zero:
                 self.units.append(u)
         self.root = unit_of.get(id(self.module))   # the root's unit, or None
         self.trained = [u for u in self.units if u.trains]   # the units with trainable parameters
-        self.matrix_steps = _matrix_steps(self.trained, plan, net)     # section 10: Muon's
+        self.matrix_steps = _matrix_steps(self.trained, plan, net)     # section 11: Muon's
         self.owned = {id(p) for u in self.units for p in u.params}   # every parameter, by identity
         self.sched = s = Schedule(self.units, plan, net)   # the one order of the collectives
         self.optimizer = ZeroOptimizer(self, groups, optimizer)   # torch's face of the rules
@@ -1690,11 +1690,11 @@ class Zero:
         for m in unit_modules + [self.module]:
             mods = list(_post_order(m, stop - {id(m)}))   # the root: every module outside the units
             if any(t.is_meta for x in mods for t in (*x.parameters(False), *x.buffers(False))):
-                self.unfilled |= _materialize(mods, init_fn, self.device, self.names)   # section 12
+                self.unfilled |= _materialize(mods, init_fn, self.device, self.names)   # section 13
             self._place_buffers(mods)
             if id(m) in unit_of:
                 rounded += self._build(unit_of[id(m)])
-        _warn_rounded(rounded, cfg.dtype)                # section 12
+        _warn_rounded(rounded, cfg.dtype)                # section 13
         # hooks: each trainable parameter's gradient (after autograd summed its uses); a forward
         # starts at the root's first module (`mods`), ends when it returns; each unit's forward.
         # Every k-th block recomputes non-reentrant (dropout's RNG kept) within the gathering hooks
@@ -1828,7 +1828,7 @@ class Zero:
         if s.micro >= cfg.accum_steps:
             raise RuntimeError(f"zero: backward() called {s.micro + 1} times without step(); "
                                f"Config.accum_steps={cfg.accum_steps}")
-        fn = getattr(loss, "grad_fn", None)     # DDP's habit, loss / accum_steps: section 11
+        fn = getattr(loss, "grad_fn", None)     # DDP's habit, loss / accum_steps: section 12
         if cfg.accum_steps > 1 and fn is not None and fn.name() in ("DivBackward0", "MulBackward0"):
             _refuse_divided(fn, cfg.accum_steps)
         s.begin_backward()
@@ -1853,7 +1853,7 @@ class Zero:
         return self.optimizer.step()        # through the optimizer, which LR schedulers watch
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        # torch.nn.utils.clip_grad_norm_ of the engine's gradients (section 11): the global norm, and
+        # torch.nn.utils.clip_grad_norm_ of the engine's gradients (section 12): the global norm, and
         # the step clips at max_norm instead of Config.grad_clip
         norm = _clip_norm(self, norm_type, error_if_nonfinite)
         self.clip = float(max_norm)
@@ -1896,7 +1896,7 @@ class Zero:
             for f in u.trains:
                 f.new_window()
         if every is not None:
-            _diverged(self, every)          # section 13: raises
+            _diverged(self, every)          # section 14: raises
         self.sched.agree_kept({u.index for u, h in zip(self.units, held) if h})
         self.used = rest[len(self.units):]  # per trained parameter: ranks that had a gradient
         # gradients of loss * scale, summed over ranks and micro-batches after a divide by divide[0]
@@ -2017,19 +2017,19 @@ class Zero:
         self.unfilled -= names
 
     # -- what the extensions add to the engine's face, each a call into its section
-    def full_state_dict(self, rank0_only=False):       # section 12
+    def full_state_dict(self, rank0_only=False):       # section 13
         return _full_state_dict(self, rank0_only)
 
-    def load_state_dict(self, state_dict, strict=True):     # section 12
+    def load_state_dict(self, state_dict, strict=True):     # section 13
         return _load_state_dict(self, state_dict, strict)
 
-    def memory(self):                       # section 13b
+    def memory(self):                       # section 15
         return _memory(self)
 
-    def pinned_memory(self):                # section 13b
+    def pinned_memory(self):                # section 15
         return _pinned_memory(self)
 
-    def num_params(self, padded=False, frozen=False):     # section 13b
+    def num_params(self, padded=False, frozen=False):     # section 15
         return _num_params(self, padded, frozen)
 
 
@@ -2260,7 +2260,36 @@ def _read_outside(sched, u, name):
 
 
 # -----------------------------------------------------------------------------
-# 10. Update rules beyond AdamW: Muon, and matrix rules
+# 10. Hybrid sharding
+#
+# Config(shard_group=k): the model states are sharded over groups of k consecutive ranks (Comm's "shard"
+# groups) and replicated across them; a reduced gradient shard is then summed across the shard groups
+# (the "replica" group: the ranks holding the same shard) once per step, in its last backward.
+
+class Replica:
+    """A unit's sums across shard groups: each trainable Flat's reduced shard all-reduced in the replica
+    group as its reduce-scatter lands (Unit.finish_reduce), awaited by the step (Zero._agree); offload
+    then sends the sum to the host."""
+
+    def __init__(self, unit):
+        self.unit = unit                    # whose Flats it sums
+        self.works = []                     # (flat, reduced shard, work) in flight
+
+    def launch(self, f, dev):
+        net = self.unit.net
+        self.works.append((f, dev, net.all_reduce(dev, "replica", "replica_all_reduce", False,
+                                                  self.unit.index)))
+
+    def finish(self):
+        for f, dev, work in self.works:
+            self.unit.net.wait(work)
+            if self.unit.plan.offload:
+                self.unit.to_host(f, dev)
+        self.works = []
+
+
+# -----------------------------------------------------------------------------
+# 11. Update rules beyond AdamW: Muon, and matrix rules
 
 
 def _elementwise(f, runs, groups, mult, out):
@@ -2621,7 +2650,7 @@ def _matrix_view(j, g, p, module_view, name, rule):
 
 
 # -----------------------------------------------------------------------------
-# 11. Parameter groups, adopting a torch optimizer, and torch's patches
+# 12. Parameter groups, adopting a torch optimizer, and torch's patches
 
 
 # torch's Adam/AdamW keys that zero's AdamW honours at these values only (TORCH_ANY: at any value)
@@ -2825,36 +2854,7 @@ torch.compile = functools.wraps(_torch_compile)(_compile)
 
 
 # -----------------------------------------------------------------------------
-# 11b. Hybrid sharding
-#
-# Config(shard_group=k): the model states are sharded over groups of k consecutive ranks (Comm's "shard"
-# groups) and replicated across them; a reduced gradient shard is then summed across the shard groups
-# (the "replica" group: the ranks holding the same shard) once per step, in its last backward.
-
-class Replica:
-    """A unit's sums across shard groups: each trainable Flat's reduced shard all-reduced in the replica
-    group as its reduce-scatter lands (Unit.finish_reduce), awaited by the step (Zero._agree); offload
-    then sends the sum to the host."""
-
-    def __init__(self, unit):
-        self.unit = unit                    # whose Flats it sums
-        self.works = []                     # (flat, reduced shard, work) in flight
-
-    def launch(self, f, dev):
-        net = self.unit.net
-        self.works.append((f, dev, net.all_reduce(dev, "replica", "replica_all_reduce", False,
-                                                  self.unit.index)))
-
-    def finish(self):
-        for f, dev, work in self.works:
-            self.unit.net.wait(work)
-            if self.unit.plan.offload:
-                self.unit.to_host(f, dev)
-        self.works = []
-
-
-# -----------------------------------------------------------------------------
-# 12. The meta-device build and the state dicts
+# 13. The meta-device build and the state dicts
 
 
 LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys wrong_shapes")
@@ -3044,7 +3044,7 @@ def _restore(engine, prepare, what, filled=None):
 
 
 # -----------------------------------------------------------------------------
-# 13. Call checks through the store, and the exit
+# 14. Call checks through the store, and the exit
 
 
 POLL_S = 1.0    # a CPU wait this long compares the ranks' calls in the store (a call made alone)
@@ -3277,7 +3277,7 @@ def _more_calls(counts):
 
 
 # -----------------------------------------------------------------------------
-# 13b. The ledgers: memory() and comm()
+# 15. The ledgers: memory() and comm()
 
 class Ledger:
     """What each kind of collective moved since the last step (calls, elements, bytes as a ring sends
@@ -3370,7 +3370,7 @@ def _num_params(engine, padded=False, frozen=False):
 
 
 # -----------------------------------------------------------------------------
-# 14. Checkpoints
+# 16. Checkpoints
 #
 # path/latest            the newest complete checkpoint's name, replaced atomically, last
 # path/step_00001000/    meta.json (layout, config, step, scaler, param groups, checksums), written
@@ -3696,20 +3696,11 @@ def consolidate(path):
 
 
 # -----------------------------------------------------------------------------
-# 15. The C AdamW kernel
+# 17. The C AdamW kernel
 #
-# Built once into ~/.cache/zero_py (with no compiler: a warning, and torch's fused kernel): torch's
-# operations in one pass that also reads a bf16 gradient and writes the bf16 weights.
-
-
-# 4. Update rules: the optimizer table
-#
-# An update rule is one entry of RULES (Rule): the state it keeps beside each fp32 master, its param group
-# keys, their checks, and its step: on a Flat's owned slice (elementwise), or on each whole matrix by the
-# rank that owns it (a matrix rule, MatrixStep in section 5). AdamW's step is memory-bound on that
-# slice: on CUDA torch's fused AdamW runs it; on the CPU a C kernel (built once into ~/.cache/zero_py;
-# with no compiler, a warning and torch's) does torch's operations in one pass that also reads a bf16
-# gradient and writes the bf16 weights.
+# AdamW's step on the CPU (AdamW's entry in section 4 calls it where it takes the tensors): built once
+# into ~/.cache/zero_py (with no compiler: a warning, and torch's fused kernel), torch's operations in one
+# pass that also reads a bf16 gradient and writes the bf16 weights.
 ADAMW_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -3851,7 +3842,7 @@ def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
 
 
 # -----------------------------------------------------------------------------
-# 16. Launching, the memory estimator and the command line
+# 18. Launching, the memory estimator and the command line
 #
 # The paper's formula in Zero.memory()'s kinds (a test holds the two equal on a real model);
 # `python zero.py estimate` prints the paper's 7.5B-parameter, 64-GPU example.

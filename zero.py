@@ -3,8 +3,8 @@ zero.py: ZeRO data parallelism for PyTorch in one file.
 
 ZeRO stages 0-3 (Rajbhandari et al., 2020) over torch.distributed, one code path for CUDA/NCCL and CPU/gloo:
 fp16/bf16 compute on fp32 master weights, loss scaling, activation recompute, ZeRO-Offload's CPU Adam (Ren et
-al., 2021), hybrid sharding, frozen parameters (LoRA), meta-device models, torch's optimizers and schedulers,
-sharded checkpoints, a ledger of memory and communication.
+al., 2021); then hybrid sharding, frozen parameters (LoRA), meta-device models, torch's optimizers and
+schedulers, Muon and other matrix rules, sharded checkpoints, a ledger of memory and communication.
 
     rank, world_size, device = zero.init_distributed()
     model = zero.Zero(model, zero.Config(stage=3, dtype="bf16"), optimizer=opt)   # opt: your torch AdamW
@@ -14,46 +14,55 @@ sharded checkpoints, a ledger of memory and communication.
     python zero.py estimate --params 7.5e9 --world-size 64 [--shard-group 8] [--frozen-params 3e10]
     python zero.py consolidate CKPT_DIR OUT.pt
 
-One step, as data flows (the sections below are in this order):
+Part I, the core, is what a stage 1-3 step with fp16, recompute and offload runs, in the order data flows:
 
-  Zero(model, cfg)   Plan.of(cfg) says what the stage shards; _param_groups sorts the parameters into torch
-                     param groups, each with an update rule (RULES); each block (an element of the outermost
-                     nn.ModuleList) and the root (the rest) becomes a Unit whose parameters are views into
-                     Flat buffers, one per rule (and one of frozen ones), each rank owning a slice of each.
-  engine(x)          Schedule.enter/pre_forward walk the one order of units all ranks share: stage 3 gathers
-                     (Unit.unshard) each unit before it runs, and frees it (Unit.free) after.
-  engine.backward    autograd's .grad goes into the Flat (Flat.take_grad); once a unit's backward is done its
-                     gradient is reduced (Unit.reduce: all-reduce at stage 0, reduce-scatter at 1-3), in every
-                     micro-batch's backward at stages 2-3, in the last one's at 0-1.
-  engine.step        Zero._agree: one all-reduce of the gradient norm and of a fingerprint of every rank's
-                     collectives; then each rule's step on this rank's slice (Flat.update; a matrix rule's
-                     on each whole matrix by its owner: MatrixStep, one exchange for the model), and at stages
-                     1-2 an all-gather of the updated slices (stage 3 gathers at the next forward; offload
-                     runs the update on a host thread, HostWorker, behind that forward).
+  1 Config, Plan       Plan.of(cfg) says what the stage shards, the only place a stage number is read:
+                       shards_optim (1-3), shards_grads (2-3), shards_params (3), regathers (1-2),
+                       gathers_lazily (3, offload).
+  2 Comm               the process groups; all-gather, reduce-scatter, all-reduce, launched asynchronously;
+                       waits bounded by timeout_s; agree(): one fp64 all-reduce the ranks agree through.
+  3 LossScaler         fp16's dynamic loss scale.
+  4 RULES              the update-rule table; AdamW's entry steps a Flat's owned slice (torch's fused kernel).
+  5 Flat, Unit         Zero(model, cfg) makes each block (an element of the outermost nn.ModuleList) and the
+                       root (the rest) a Unit, its parameters views into Flat buffers (one per rule, one of
+                       frozen ones), each rank owning a slice. Unit.unshard and Unit.free gather and release
+                       it (stage 3); Unit.reduce all-reduces (stage 0) or reduce-scatters (1-3) its gradient.
+  6 Table, Schedule    one Table per forward and one for the backward, made once from the order all ranks
+                       agreed on: at each place the gathers, frees and reductions every rank runs whatever it
+                       ran; the forward and backward hooks only move a cursor. Config(prefetch=k): k ahead.
+  7 Zero               builds the units and hooks; backward(); step(): _agree (one all-reduce: the norm, an
+                       overflow, every rank's collectives' fingerprint), each rule on the owned slices, at
+                       stages 1-2 an all-gather of them (stage 3 gathers at the next forward).
+  8 HostWorker, Copies offload: the update on a host thread behind the next forward, copies on CUDA streams.
 
-Where the stages differ is Plan's fields, read nowhere else as a stage number: shards_optim (1-3),
-shards_grads (2-3), shards_params (3), regathers (1-2), gathers_lazily (3, offload). Importing zero patches
-torch.nn.utils.clip_grad_norm_ (an engine's parameters are clipped by the engine), torch.compile (an engine
-compiles the model inside it) and adds an optimizer step pre-hook (a torch optimizer that steps an engine's
-parameters, which would change nothing, is an error).
+Part II, the extensions, a section each, reached from Part I at one call (the seam, in brackets):
 
-A stage-3 micro-batch on a model of blocks A, B and the root R, traced through the Schedule at prefetch=1:
-arrange() made one Table per forward and one for the backward from the order all ranks agreed on, [A, B] and
-[B, A]. enter() gathers R (kept: used before and after the blocks) and the table's first point launches A's
-and B's gathers; pre_forward(A) moves the cursor to A's place and waits for A; pre_forward(B) moves it to B's:
-A is freed there (Unit.free), B awaited; exit() moves it to the end: B freed. The backward walks its table
-likewise: B's gather and A's leave at its start, B's reduce-scatter once B's backward is done (_PostBackward),
-then B is freed; A's likewise; end_backward() launches R's last, awaits all but two in flight as it goes, and
-frees R. Every rank runs these ops in this order whatever its data: a rank that skips B still gathers and
-frees it where the table says.
+  9  rank-dependent orders: _merge [Schedule.learn]; a parameter read outside its block [Unit.mark]
+  10 hybrid sharding: Replica, the sums across shard groups [Unit.finish_reduce, Zero._agree]
+  11 update rules beyond AdamW: Muon, MatrixStep [Zero.__init__: _matrix_steps; Zero._step]
+  12 parameter groups and torch's face: _param_groups [Zero.__init__], ZeroOptimizer [Zero.step],
+     clip_grad_norm_, torch.compile and an optimizer pre-hook patched at import [torch's own calls]
+  13 the meta build and the state dicts: _materialize [Zero.__init__, for a meta tensor];
+     full_state_dict, load_state_dict [the engine's methods]
+  14 call checks through the store: Calls [Comm.call, Comm.until], _diverged [Zero._agree]; the exit
+  15 the ledgers: Ledger [Comm._launch], memory(), pinned_memory(), num_params() [the engine's methods]
+  16 checkpoints: save, load, read_extra, consolidate [the script's calls]
+  17 the C AdamW kernel [AdamW's step on the CPU, where it takes the tensors]
+  18 launching (init_distributed), the memory estimator and the command line
+
+A stage-3 micro-batch on a model of blocks A, B and the root R, at prefetch=1: the tables say [A, B] forward
+and [B, A] backward. enter() gathers R (kept: used before and after the blocks) and the table's first point
+launches A's and B's gathers; pre_forward(A) moves the cursor to A's place and waits for A; pre_forward(B) to
+B's: A freed there (Unit.free), B awaited; exit() to the end: B freed. The backward likewise: B's and A's
+gathers leave at its start, B's reduce-scatter once B's backward is done (_PostBackward), then B is freed;
+A's likewise; end_backward() launches R's last and frees it. A rank that skips B gathers and frees it all
+the same, where the table says: every rank launches the same collectives in the same order.
 """
-
 
 import argparse, atexit, collections, contextlib, ctypes, dataclasses, datetime  # noqa: E401
 import functools, hashlib, heapq, itertools, json, math, mmap, os, platform, queue, shutil  # noqa: E401
 import subprocess, tempfile, threading, time, warnings, weakref, zlib  # noqa: E401
 from concurrent.futures import Future, ThreadPoolExecutor
-
 
 import torch, torch.distributed as dist, torch.nn as nn  # noqa: E401
 from torch.optim.adamw import adamw as functional_adamw

@@ -69,18 +69,14 @@ from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint as recompute
 
-
 # =============================================================================
 # Part I: the core. What a stage 1-3 step with fp16, recompute and offload runs, in the order data flows
 # =============================================================================
 
-
 # -----------------------------------------------------------------------------
 # 1. Config, and the Plan made from it
 
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 # torch's names and dtypes are taken too (nanoGPT's dtype="bfloat16", torch.float16)
 _DTYPE_NAMES = {**{k: k for k in DTYPES}, "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
@@ -218,13 +214,11 @@ def divide_factors(n):
     pre = 1 << (math.isqrt(n).bit_length() - 1)
     return pre, n / pre
 
-
 # -----------------------------------------------------------------------------
 # 2. Distributed setup and collectives
 #
 # All-reduce (stage 0's gradients), reduce-scatter (a sum over ranks, each keeping its slice) and
 # all-gather (each rank's slice to all) carry ZeRO, one call per flat buffer; on one rank, copies.
-
 
 # torch 2.13's names (>= 2.4 has the old ones); looked up at each call, so that a test can wrap them
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -240,7 +234,6 @@ def _reduce_scatter(out, inp, group=None, async_op=True):
     if inp.is_cpu:
         return dist.all_reduce(inp, group=group, async_op=async_op)
     return _torch_reduce_scatter(out, inp, group=group, async_op=async_op)
-
 
 _GROUPS = {}    # (ranks, purpose, world, timeout) -> process group, made once per process, shared
 _SERIALS = {}   # ranks -> a counter of the engines made on them, the same on each
@@ -485,13 +478,11 @@ def _work_done(work, seconds):
             raise
         return False
 
-
 # -----------------------------------------------------------------------------
 # 3. Loss scaler
 #
 # fp16 flushes gradients under ~6e-8 to zero: a loss scale lifts them into range; one too large
 # overflows to inf, which the step detects (the norm is not finite) and skips.
-
 
 class LossScaler:
     """DeepSpeed's rule: double after `window` clean steps; on overflow skip the step, and once
@@ -534,7 +525,6 @@ class LossScaler:
         self.clean_steps = sd["clean_steps"]
         self.hysteresis_left = sd["hysteresis_left"]
 
-
 # -----------------------------------------------------------------------------
 # 4. Update rules: the optimizer table, and AdamW
 #
@@ -542,7 +532,6 @@ class LossScaler:
 # keys, their checks, and its step on a Flat's owned slice. AdamW's step is memory-bound on that slice:
 # on CUDA torch's fused AdamW runs it; on the CPU a C kernel (section 17) does torch's operations in one
 # pass that also reads a bf16 gradient and writes the bf16 weights. Matrix rules (Muon): section 11.
-
 
 CONVERT_CHUNK = 1 << 22     # elements of a 16-bit gradient converted to fp32 at a time, into _scratch[device]
 
@@ -684,7 +673,6 @@ def _adamw_check(g):
         return f"sets eps={g['eps']}: use eps > 0"
     return _nonnegative(g, ("lr", "weight_decay"))
 
-
 RULES = {"adamw": Rule("adamw", ("exp_avg", "exp_avg_sq"), ("lr", "betas", "eps", "weight_decay"),
                        _adamw_defaults, _adamw_check, flat_step=_adamw)}
 
@@ -698,13 +686,11 @@ def _check_group(prefix, j, g):
     if problem:
         raise ValueError(f"{prefix}: param_groups[{j}] {problem}")
 
-
 # -----------------------------------------------------------------------------
 # 5. Flat buffers and units
 #
 # A unit is a transformer block, or the root (the rest), as FSDP users wrap by hand: the grain of
 # every collective and of stage 3's gathering. Its parameters are views into flat buffers.
-
 
 def find_units(model):
     """Default units: the elements (blocks) of every outermost nn.ModuleList, depth first."""
@@ -915,7 +901,6 @@ class Flat:
             _elementwise(self, runs, groups, mult, out)
         if self.staging is not None:
             self.h2d_event = copies.to_device([(self.out[a:b], self.staging[a:b]) for a, b, _, _ in runs])
-
 
 FREED, STALE, GATHERING, WHOLE = "freed", "stale", "gathering", "whole"     # a unit's phases
 
@@ -1138,13 +1123,11 @@ def _on_grad(sched, j, k, i, p):
     if s is not None:
         s.on_grad(s.units[j], k, i, p)
 
-
 # -----------------------------------------------------------------------------
 # 6. The schedule: one table every rank walks
 #
 # A rank whose batch skips a block or reaches fewer experts must still pair each collective with
 # the same one everywhere (in one order across communicators, for NCCL): all walk one table.
-
 
 END = 1 << 30                               # a segment's end node sorts after its calls
 Op = collections.namedtuple("Op", "point kind unit due")   # one step of a walk (see Table)
@@ -1599,7 +1582,6 @@ class Schedule:
         self.forwards = 0
         self.micro += 1
 
-
 # -----------------------------------------------------------------------------
 # 7. The engine
 #
@@ -1608,7 +1590,6 @@ class Schedule:
 # overflow check, clip, the update rules on the owned slice, its 16-bit rounding written, stages 1-2
 # all-gather it). The units do each part, the schedule says when; the engine builds them and glues
 # the hooks.
-
 
 _ENGINES = weakref.WeakSet()  # every live engine: for the check of torch optimizers, and the exit
 
@@ -2054,10 +2035,8 @@ def _post_order(module, stop):
             yield from _post_order(child, stop)
     yield module
 
-
 # -----------------------------------------------------------------------------
 # 8. Offload: the host update's thread, its copies and pinned buffers
-
 
 class Copies:
     """Offload's copies to the host and back, the one place with CUDA streams and events. On CUDA a
@@ -2160,7 +2139,6 @@ class HostWorker:
         self.jobs.put(None)
         self.thread.join(self.timeout)
 
-
 PINNED = {"grad_shard": "grads", "staging": "params"}   # offload's pinned state: its memory() kind
 
 
@@ -2193,16 +2171,13 @@ def _host_register(ptr, nbytes):
 def _host_unregister(ptr):
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
-
 # =============================================================================
 # Part II: the extensions, a section each. Part I reaches each at one named seam
 # =============================================================================
 
-
 # -----------------------------------------------------------------------------
 # 9. Rank-dependent orders: the blocks each rank called, merged into one order; a parameter used
 # outside its block
-
 
 def _merge(seqs, extra=()):
     """One order of the nodes (segment, occurrence, unit) of every rank's calls, consistent with
@@ -2225,7 +2200,6 @@ def _merge(seqs, extra=()):
     if len(out) != len(nodes):              # a cycle: the orders clash
         return list(dict.fromkeys(list(seqs[0]) + nodes))
     return out
-
 
 # torch calls that read no values of a tensor
 METADATA = {"__get__", "__set__", "requires_grad_", "size", "dim", "numel", "stride",
@@ -2267,7 +2241,6 @@ def _read_outside(sched, u, name):
     u.hold()
     u.unshard().mark(False)
 
-
 # -----------------------------------------------------------------------------
 # 10. Hybrid sharding
 #
@@ -2296,10 +2269,8 @@ class Replica:
                 self.unit.to_host(f, dev)
         self.works = []
 
-
 # -----------------------------------------------------------------------------
 # 11. Update rules beyond AdamW: Muon, and matrix rules
-
 
 def _elementwise(f, runs, groups, mult, out):
     # a rule's one function, run by run on a Flat's owned slice: the gradient in fp32 times the step's
@@ -2361,11 +2332,9 @@ def _muon_check(g):
                 "ns_steps >= 1")
     return _nonnegative(g, ("lr", "weight_decay"))
 
-
 RULES["muon"] = Rule("muon", ("momentum_buffer",), ("lr", "momentum", "nesterov", "ns_steps", "weight_decay"),
                      _muon_defaults, _muon_check, whole=_muon_whole, before=_muon_before,
                      after=decoupled_update, sends=(torch.bfloat16, torch.bfloat16), offload=False)
-
 
 VIEW_KEYS = ("view", "transposed")  # a matrix rule's group may say how its tensors are matrices
 # One matrix of a matrix rule: parameter i of `flat`, laid out as `shape` from element `start` of its
@@ -2594,7 +2563,6 @@ class MatrixStep:
                 else:
                     t.zero_()
 
-
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
@@ -2657,10 +2625,8 @@ def _matrix_view(j, g, p, module_view, name, rule):
                          "for an (in, out) layout, else False")
     return (*out[:3], transposed)
 
-
 # -----------------------------------------------------------------------------
 # 12. Parameter groups, adopting a torch optimizer, and torch's patches
-
 
 # torch's Adam/AdamW keys that zero's AdamW honours at these values only (TORCH_ANY: at any value)
 TORCH_DEFAULTS = dict(amsgrad=False, maximize=False, capturable=False, differentiable=False)
@@ -2856,15 +2822,12 @@ def _compile(model=None, **kwargs):
         return model._compiled(**kwargs)
     return _torch_compile(model, **kwargs)  # (model=None: torch's decorator form)
 
-
 register_optimizer_step_pre_hook(_foreign_step)
 torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
 torch.compile = functools.wraps(_torch_compile)(_compile)
 
-
 # -----------------------------------------------------------------------------
 # 13. The meta-device build and the state dicts
-
 
 LoadResult = collections.namedtuple("LoadResult", "missing_keys unexpected_keys wrong_shapes")
 
@@ -3051,10 +3014,8 @@ def _restore(engine, prepare, what, filled=None):
     engine._filled(filled)
     return rounded
 
-
 # -----------------------------------------------------------------------------
 # 14. Call checks through the store, and the exit
-
 
 POLL_S = 1.0    # a CPU wait this long compares the ranks' calls in the store (a call made alone)
 STORE_RATE = 2000   # requests a second to the store that all ranks' long waits make together, at most (one
@@ -3284,7 +3245,6 @@ def _more_calls(counts):
                 for r, k in c.items() if k > c[lo]]
     return out[:4]
 
-
 # -----------------------------------------------------------------------------
 # 15. The ledgers: memory() and comm()
 
@@ -3319,7 +3279,6 @@ class Ledger:
         self.apart = {}
         return moved
 
-
 # Flat's tensors beside the state: memory()'s kind, and whether offload holds them on the host
 TENSORS = {"flat": ("params", False), "shard": ("params", False), "grad": ("grads", False),
            "acc": ("grads", False), "grad_shard": ("grads", True), "staging": ("params", True)}
@@ -3340,7 +3299,6 @@ def _held(f):
     return out
 
 # -- the gradient, from autograd's .grad to the reduced owned slice
-
 
 def _memory(engine):
     """Bytes of model state this rank holds, by kind, on the device and the host, from the
@@ -3377,7 +3335,6 @@ def _num_params(engine, padded=False, frozen=False):
         return sum(f.padded for f in flats)
     return sum(f.numel for f in flats)
 
-
 # -----------------------------------------------------------------------------
 # 16. Checkpoints
 #
@@ -3388,7 +3345,6 @@ def _num_params(engine, padded=False, frozen=False):
 #                        it holds, each tensor's CRC-32, which a load checks where it reads)
 # Each file is written under a temporary name, then renamed: a crash at any moment leaves `latest`
 # naming the previous checkpoint, whole. Loads slice the layout: any world size and stage loads it.
-
 
 FORMAT = "zero.py-checkpoint-5"             # 5: tensors checksummed in each file; matrix owner state
 OLD = ("zero.py-checkpoint-4", "zero.py-checkpoint-3", "zero.py-checkpoint-2")   # checked whole at load
@@ -3703,7 +3659,6 @@ def consolidate(path):
         values.update(dict.fromkeys(p["aliases"], whole))
     return {k: values[k] for k in f.meta["state_dict_keys"]}
 
-
 # -----------------------------------------------------------------------------
 # 17. The C AdamW kernel
 #
@@ -3757,7 +3712,6 @@ void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m
 #endif
 }
 """
-
 
 # -fno-math-errno, -fno-trapping-math vectorise sqrtf and the selects (4x on AVX2); unlike -ffast-math, exact
 ADAMW_FLAGS = "-O3 -march=native -fno-math-errno -fno-trapping-math -ffp-contract=off -shared -fPIC".split()
@@ -3849,13 +3803,11 @@ def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
         return False
     return _cpu_kernel() is not None
 
-
 # -----------------------------------------------------------------------------
 # 18. Launching, the memory estimator and the command line
 #
 # The paper's formula in Zero.memory()'s kinds (a test holds the two equal on a real model);
 # `python zero.py estimate` prints the paper's 7.5B-parameter, 64-GPU example.
-
 
 def init_distributed(timeout_s=300.0):
     """Join the torchrun job of RANK/WORLD_SIZE/LOCAL_RANK; one process when they are absent."""
@@ -3953,7 +3905,6 @@ def main(argv=None):
         d = estimate_memory(a.params, a.world_size, s, a.dtype, shard_group=a.shard_group,
                             frozen_params=a.frozen_params)["device"]
         print(f"{s:>5}", *(f"{d[k] / 1e9:>9.4g}" for k in kinds), f"{sum(d.values()) / 1e9:>9.1f}")
-
 
 if __name__ == "__main__":
     main()

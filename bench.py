@@ -12,8 +12,9 @@ grad clip 1.0): DDP + AdamW, DDP + ZeroRedundancyOptimizer and FSDP2
      (shard groups of 2 at 4 ranks) against plain stage 3, and the formula at 7.5B on 64 GPUs; the engine's
      own collectives and host syncs per step at 2, 4 and 8 ranks, and their latency at 512 and 4096;
   3. throughput at 2 gloo ranks, as ratios against the peers, with our targets;
-  4. CPU AdamW params/s, activation memory with and without recompute, and how
-     much of the host update offload hides behind the next forward;
+  4. CPU AdamW params/s, activation memory with and without recompute, how
+     much of the host update offload hides behind the next forward, and rules written in torch ops
+     (AdamW, AdEMAMix) on offload's host thread against the C AdamW kernel;
   5. on a GPU only: tokens/s, MFU and peak memory per stage next to plain torch and FSDP2, and the largest
      GPT that plain torch, stage 3 and stage 3 with offload train (a CPU test runs it on a tiny GPT);
   6. matrix rules: Muon's bytes and time per step beside AdamW's, the bytes nanochat's layout would move, and the
@@ -30,6 +31,7 @@ run are claims; absolute numbers come with the hardware line printed first.
 """
 import argparse, collections, datetime, importlib.util, os, platform, queue, socket, statistics, tempfile, time
 import traceback
+import functools, types
 from contextlib import ExitStack, nullcontext
 from unittest import mock
 
@@ -701,6 +703,102 @@ def report_offload(o):
           "update is hidden behind the next forward and backward (below 0: the overlap cost more than it hid).\n")
 
 
+# --------------------------------------------------------------------------- rules written in torch ops, on the host
+def adamw_ops(master, grad, state, group, step):
+    """AdamW as a rule's one function in torch ops (torch's formulas): what the C kernel computes."""
+    beta1, beta2 = group["betas"]
+    master.mul_(1 - group["lr"] * group["weight_decay"])
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
+    master.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** step))
+
+
+def ademamix_ops(master, grad, state, group, step):
+    """AdEMAMix (Pagliardini et al., 2024) as test_zero.py writes it: three states."""
+    beta1, beta2, beta3 = group["betas"]
+    state["m1"].lerp_(grad, 1 - beta1)
+    state["m2"].lerp_(grad, 1 - beta3)
+    state["nu"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["nu"] / (1 - beta2 ** step)).sqrt_().add_(group["eps"])
+    master.mul_(1 - group["lr"] * group["weight_decay"])
+    master.addcdiv_(state["m1"] / (1 - beta1 ** step) + group["alpha"] * state["m2"], denom, value=-group["lr"])
+
+
+def block_runs(n_embd):
+    """The runs (a, b, group, step) of a GPT block's Flat at one rank: its parameters in order, each on 8 elements
+    (bf16's 16 bytes), weights (decay, group 0) and biases/norms (group 1) alternating, adjacent ones merged."""
+    runs, end = [], 0
+    for p in train_gpt.Block(n_embd // 64, n_embd, 12).parameters():
+        a, j = -(-end // 8) * 8, int(p.dim() < 2)
+        end = a + p.numel()
+        if runs and runs[-1][1] == a and runs[-1][2] == j:
+            runs[-1] = (runs[-1][0], end, j, 10)
+        else:
+            runs.append((a, end, j, 10))
+    return runs
+
+
+def op_by_op(f, runs, groups, mult, out):
+    """zero._elementwise's path without the compile: the rule's torch ops one by one, run by run."""
+    for a, b, j, step in runs:
+        state = {k: f.state[k][a:b] for k in f.rule.states}
+        zero._run(f.rule.step, f.state["master"][a:b], f.grad_shard[a:b], state, groups[j], step, mult, out[a:b])
+
+
+def report_rules(quick):
+    """Offload's host update of an elementwise rule written in torch ops (zero._elementwise) next to the C AdamW
+    kernel (zero._adamw), on offload's worker thread (its thread count), a bf16 gradient and a bf16 out."""
+    if zero is None:
+        return print(f"### 4d. Update rules written in torch ops: not measured: import zero failed: {ZERO_ERR}\n")
+    worker = zero.HostWorker(torch.device("cpu"), 600)
+    adamw = zero.Rule("adamw_ops", ("exp_avg", "exp_avg_sq"), zero.RULES["adamw"].keys, None, step=adamw_ops)
+    ademamix = zero.Rule("ademamix", ("m1", "m2", "nu"), ("lr", "betas", "alpha", "eps", "weight_decay"), None,
+                         step=ademamix_ops)
+    # label: (rule, how it runs)
+    variants = {"C AdamW kernel": (zero.RULES["adamw"], zero._adamw),
+                "AdamW in torch ops, compiled": (adamw, zero._elementwise),
+                "AdEMAMix, compiled": (ademamix, zero._elementwise), "AdEMAMix, op by op": (ademamix, op_by_op)}
+    groups = [dict(OPT, betas=(0.9, 0.95, 0.999), alpha=5.0), dict(OPT, betas=(0.9, 0.95, 0.999), alpha=5.0,
+                                                                   weight_decay=0.0)]
+    adamw_groups = [dict(g, betas=g["betas"][:2]) for g in groups]
+    cases = {"1M, one run": [(0, 1 << 20, 0, 10)], "16M, one run": [(0, 1 << 24, 0, 10)],
+             "7.1M, GPT-2 block's 9 runs": block_runs(768)}
+    rounds = 9
+    if quick:
+        cases, rounds = {"1M, one run": cases["1M, one run"]}, 2
+    print(f"### 4d. Update rules written in torch ops on offload's host thread ({zero._host_threads()} threads)\n")
+    print("zero._elementwise runs an elementwise rule's one function compiled (torch.compile; the rule's 0-dim "
+          f"arithmetic apart) on runs of >= {zero.MIN_COMPILED} elements, op by op on shorter ones; AdamW's table "
+          "entry keeps the C kernel. fp32 master and states, a bf16 gradient times a multiplier, a bf16 out (28 "
+          "bytes a parameter for AdamW, 36 for AdEMAMix's three states). Best of "
+          f"{rounds} interleaved rounds (another process can only slow a round down); x C: best over the C "
+          "kernel's best. First call: the first update, its compile included (the first in this process at 1M; "
+          "inductor's disk cache may hold an earlier run's kernels).\n")
+    rows = []
+    for case, runs in cases.items():
+        n = max(b for _, b, _, _ in runs)
+        fns, first = {}, {}
+        for label, (rule, update) in variants.items():
+            g0 = torch.Generator().manual_seed(0)
+            state = {k: torch.randn(n, generator=g0).abs_() * 1e-3 for k in rule.states}
+            state["master"] = torch.randn(n, generator=g0)
+            f = types.SimpleNamespace(rule=rule, state=state, grad_shard=torch.randn(n, generator=g0).bfloat16())
+            gs = groups
+            if "AdamW" in label:
+                gs = adamw_groups
+            job = functools.partial(update, f, runs, gs, 0.5, torch.empty(n, dtype=torch.bfloat16))
+            fns[label] = lambda job=job: worker.submit(job).result()
+            first[label] = timed(fns[label])
+        times = interleave(fns, rounds)
+        for label in variants:
+            best = min(times[label])
+            rows.append([case, label, f"{best * 1e3:.2f}", f"{best / min(times['C AdamW kernel']):.2f}",
+                         f"{first[label]:.2f} s"])
+    worker.close()
+    table(["params", "update", "ms", "x C", "first call"], rows)
+
+
 # --------------------------------------------------------------------------- GPU (not run on CPU machines)
 # The section's measurements are functions of a device and sizes, so that the suite runs them on the CPU with a
 # tiny GPT (test_bench_gpu_section_on_cpu): report_gpu calls them with CUDA, a real meter and real sizes.
@@ -1250,6 +1348,7 @@ def main():
     section(report_adam, [1_000_000] if quick else [10_000_000, 50_000_000, 200_000_000], 2 if quick else 7)
     section(report_activations, o)
     section(report_offload, o)
+    section(report_rules, quick)
     section(report_gpu, quick)
     try:
         worlds = (2, 4)

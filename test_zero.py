@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import warnings
 import weakref
 
@@ -2203,7 +2204,7 @@ def test_bench_quick_runs():
                        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for title in ("Model-state memory", "Communication per step", "Throughput", "CPU AdamW", "Activation memory",
-                  "Offload", "Matrix rules: Muon beside AdamW"):
+                  "Offload", "Matrix rules: Muon beside AdamW", "Update rules written in torch ops"):
         assert title in r.stdout, title
     assert "| zero3 / base3 |" in r.stdout and "report_tput failed" not in r.stdout, r.stdout   # --baseline's rows
     ours = [ln for ln in r.stdout.split("### 3.")[0].splitlines() if ln.startswith("| zero")]
@@ -5975,3 +5976,207 @@ def test_nanochat_muon_and_ademamix_written_as_rules_equal_their_references(tmp_
         got = {n: st for r in res[world] for n, st in r["reshard"].items()}
         assert sorted(got) == sorted(saved), (world, sorted(got))
         assert all(torch.equal(got[n]["v"], saved[n]["v"]) for n in saved), world
+
+
+# ---- issue 38 item 5: an elementwise rule written in torch ops runs compiled on the host (one pass a run)
+
+def adamw_ops_step(master, grad, state, group, step):
+    """AdamW as a rule's one function in torch ops (torch's formulas)."""
+    beta1, beta2 = group["betas"]
+    master.mul_(1 - group["lr"] * group["weight_decay"])
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
+    master.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** step))
+
+
+ADAMW_OPS = zero.Rule("adamw_ops", ("exp_avg", "exp_avg_sq"), zero.RULES["adamw"].keys, zero.RULES["adamw"].defaults,
+                      step=adamw_ops_step)
+# each rule's groups: weights, and the rest at 3x the lr without decay and with betas of its own
+LATE_BETAS = {"adamw_ops": [(0.9, 0.95), (0.8, 0.99)], "ademamix": [(0.9, 0.99, 0.999), (0.8, 0.95, 0.995)]}
+
+
+class LateBlock(nn.Module):
+    """A block whose `late` branch runs on odd steps only (its step count lags the block's) and whose `never`
+    gets no gradient (it must stay as it was)."""
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.late = nn.Linear(d, d)
+        self.never = nn.Parameter(torch.ones(d))
+        self.odd = False
+
+    def forward(self, x):
+        x = x + torch.tanh(self.fc(self.norm(x)))
+        if self.odd:
+            x = x + 0.5 * self.late(x)
+        return x
+
+
+class Late(nn.Module):
+    def __init__(self, d=12):
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList([LateBlock(d) for _ in range(2)])
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return {"loss": F.mse_loss(self.out(h).squeeze(-1), y)}
+
+
+def late_model(rule):
+    torch.manual_seed(0)
+    model = Late()
+    mats = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    betas = LATE_BETAS[rule]
+    return model, [dict(params=mats, update=rule, betas=betas[0]),
+                   dict(params=rest, update=rule, betas=betas[1], lr=3 * LR, weight_decay=0.0)]
+
+
+def late_batches(steps=STEPS, batch=8):
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(steps, batch, 5, generator=g), torch.randn(steps, batch, generator=g)
+
+
+def late_reference(rule):
+    """Single process, fp32, the global batch, clip_grad_norm_; torch's AdamW, or AdEMAMix's formulas on whole
+    tensors, each parameter stepped (and counted) only when it has a gradient."""
+    model, groups = late_model(rule)
+    opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "update"} for g in groups], lr=LR, eps=1e-8,
+                            weight_decay=0.1)
+    st, xs, ys, losses, norms = {}, *late_batches(), [], []
+    for s in range(STEPS):
+        for b in model.blocks:
+            b.odd = s % 2 == 1
+        opt.zero_grad()
+        loss = model(xs[s], ys[s])["loss"]
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        losses.append(loss.item())
+        if rule == "adamw_ops":
+            opt.step()
+            continue
+        with torch.no_grad():
+            for g in opt.param_groups:
+                for p in (p for p in g["params"] if p.grad is not None):
+                    t, m1, m2, nu = st.setdefault(id(p), [0] + [torch.zeros_like(p) for _ in range(3)])
+                    st[id(p)][0] = t = t + 1
+                    (b1, b2, b3), gr = g["betas"], p.grad
+                    m1.copy_(b1 * m1 + (1 - b1) * gr)
+                    m2.copy_(b3 * m2 + (1 - b3) * gr)
+                    nu.copy_(b2 * nu + (1 - b2) * gr * gr)
+                    update = (m1 / (1 - b1 ** t) + 5.0 * m2) / ((nu / (1 - b2 ** t)).sqrt() + 1e-8)
+                    p.copy_(p - g["lr"] * (update + g["weight_decay"] * p))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _late_train(rank, world, rule, stage):
+    model, groups = late_model(rule)
+    engine = zero.Zero(model, zero.Config(stage=stage, dtype="fp32", offload=True, lr=LR), param_groups=groups)
+    xs, ys = late_batches()
+    per, losses, norms = xs.shape[1] // world, [], []
+    for s in range(STEPS):
+        for b in engine.module.blocks:
+            b.odd = s % 2 == 1
+        loss = engine(xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per])["loss"]
+        engine.backward(loss)
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        engine.step()
+        norms.append(engine.grad_norm)
+    return dict(losses=losses, norms=norms, sd=engine.full_state_dict())
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("no compiler here")
+
+
+def _gapped_runs():
+    """AdEMAMix on a bf16 gradient into a bf16 out, compiled and op by op, one step on runs of two groups and three
+    step counts, with elements of no run between them."""
+    runs = [(0, 40, 0, 3), (40, 57, 1, 1), (64, 100, 0, 5), (104, 160, 1, 3)]
+    groups = [dict(lr=0.01, betas=(0.9, 0.99, 0.999), alpha=5.0, eps=1e-8, weight_decay=0.1),
+              dict(lr=0.03, betas=(0.8, 0.95, 0.995), alpha=2.0, eps=1e-6, weight_decay=0.0)]
+    out = {}
+    for label, shortest in (("compiled", 2), ("op by op", 1 << 60)):
+        zero.MIN_COMPILED = shortest
+        g = torch.Generator().manual_seed(3)
+        state = {k: torch.rand(160, generator=g) for k in ("master", "m1", "m2", "nu")}
+        flat = types.SimpleNamespace(rule=ADEMAMIX, state=state, grad_shard=torch.randn(160, generator=g).bfloat16())
+        out["before"] = {k: v.clone() for k, v in state.items()}
+        out[label] = dict(state, out=torch.zeros(160, dtype=torch.bfloat16))
+        zero._elementwise(flat, runs, groups, 0.5, out[label]["out"])
+    return out
+
+
+def _compiled_rule_cases(rank, world):
+    """Both rules at stages 1-3 with offload, compiled (the tiny model's runs too: MIN_COMPILED=2), and op by op at
+    stage 2; then with a compile that fails: one warning, and op by op."""
+    out, ran = {}, collections.Counter()   # ran: _compiled_run's answers (True: the compiled step ran)
+    compiled_run = zero._compiled_run
+
+    def counted(*args):
+        ok = compiled_run(*args)
+        ran[ok] += 1
+        return ok
+    zero._compiled_run = counted
+    out["gapped"] = _gapped_runs()
+    out["gapped"]["ran"] = dict(ran)
+    zero.MIN_COMPILED = 2
+    with extra_rules(ADAMW_OPS, ADEMAMIX):
+        for rule in LATE_BETAS:
+            for stage in (1, 2, 3):
+                out[(rule, stage)] = _late_train(rank, world, rule, stage)
+        out["ran"] = dict(ran)
+        zero.MIN_COMPILED = 1 << 60
+        for rule in LATE_BETAS:
+            out[(rule, "op by op")] = _late_train(rank, world, rule, 2)
+        zero.MIN_COMPILED = 2
+        zero._compiled.clear()              # compiled anew, by a backend that fails
+        zero._hoisted = _failing_backend
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            out["failed"] = _late_train(rank, world, "ademamix", 2)
+    out["said"] = [str(w.message) for w in said if "zero:" in str(w.message)]
+    return out
+
+
+def test_rules_in_torch_ops_run_compiled_on_the_host_as_op_by_op():
+    """AdamW written in torch ops and AdEMAMix, compiled on offload's host (zero._elementwise), at stages 1-3 against
+    torch's AdamW and AdEMAMix's formulas: two groups of their own lr, betas and decay, a branch whose step count
+    lags, a parameter that never gets a gradient; compiled against op by op; a compile that fails warns once."""
+    res = spawn(_compiled_rule_cases, 2)[0]
+    # each rule at every stage: the reference's losses, norms and update (measured 1.2e-7; 7.4e-7 AdamW, 9.7e-7
+    # AdEMAMix), compiled or op by op, which differ by 6e-7 after 4 steps (one step: 2e-8)
+    for rule in LATE_BETAS:
+        losses, norms, sd = late_reference(rule)
+        init = late_model(rule)[0].state_dict()
+        moved = [k for k in init if not torch.equal(sd[k], init[k])]
+        assert len(moved) == len(init) - 2 and not any("never" in k for k in moved), moved
+        for key in [(rule, s) for s in (1, 2, 3)] + [(rule, "op by op")]:
+            r = res[key]
+            assert _max_update_rel(r["sd"], sd, init, moved) < 1e-5, key
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"] + r["norms"], losses + norms)), key
+            assert all(torch.equal(r["sd"][k], init[k]) for k in init if "never" in k), key
+        assert _max_update_rel(res[(rule, 2)]["sd"], res[(rule, "op by op")]["sd"], init, moved) < 5e-6, rule
+    assert res["ran"].get(True, 0) > 20 and set(res["ran"]) == {True}, res["ran"]
+    # one step on gapped runs, bf16 in and out: the elements of no run untouched, the out the master's rounding
+    got, want = res["gapped"]["compiled"], res["gapped"]["op by op"]
+    assert res["gapped"]["ran"] == {True: 4}, res["gapped"]["ran"]
+    gaps = torch.zeros(160, dtype=torch.bool)
+    gaps[57:64] = gaps[100:104] = True
+    for k in ("master", "m1", "m2", "nu"):
+        before = res["gapped"]["before"][k]
+        assert _max_rel(got[k] - before, want[k] - before) < 2e-6, k
+        assert torch.equal(got[k][gaps], res["gapped"]["before"][k][gaps]), k
+    assert torch.equal(got["out"][~gaps], got["master"][~gaps].bfloat16()) and got["out"][gaps].eq(0).all()
+    # a compile that fails: one warning naming the rule and why; the same as op by op, to the bit
+    said = res["said"]
+    assert len(said) == 1 and "rule 'ademamix' runs op by op" in said[0] and "no compiler here" in said[0], said
+    assert all(torch.equal(v, res[("ademamix", "op by op")]["sd"][k]) for k, v in res["failed"]["sd"].items())

@@ -622,11 +622,12 @@ def _adamw(f, runs, groups, mult, out):
 class Rule:
     """An update rule: all the engine knows of an optimizer, in one place. An elementwise rule is one
     function on 1-D fp32 slices of the owned shard, writing in place: step(master, grad, state, group,
-    step), `state` its named states' slices. A matrix rule is one function on each whole matrix,
-    whole(matrix, state, group, step) -> update, run by the rank that owns the matrix (MatrixStep: the
-    engine's assignment, exchange, views and owner state), with elementwise parts on the slices before
-    it (what the owner gets) and after it (the master updated); they also take the matrix's (rows,
-    cols), on which a scale often depends. A new optimizer is one entry and its functions."""
+    step), `state` its named states' slices; on the CPU compiled, the group's floats and the step then
+    0-dim float64 tensors (Python's math on them breaks the graph). A matrix rule is one function on each
+    whole matrix, whole(matrix, state, group, step) -> update, run by the rank that owns the matrix
+    (MatrixStep: the engine's assignment, exchange, views and owner state), with elementwise parts on the
+    slices before it (what the owner gets) and after it (the master updated); they also take the matrix's
+    (rows, cols), on which a scale often depends. A new optimizer is one entry and its functions."""
     name: str                       # a param group's "update", Config.update; checkpoints record it
     states: tuple                   # fp32 states shaped as the parameters, sharded as the master is
     keys: tuple                     # the param group keys it reads, besides "params" and "update"
@@ -2272,16 +2273,80 @@ class Replica:
 # -----------------------------------------------------------------------------
 # 11. Update rules beyond AdamW: Muon, and matrix rules
 
+# An elementwise rule's one function, run by run on a Flat's owned slice; on the CPU a long run's compiled
+# (op by op, torch's CPU kernels take 5-10x the C AdamW kernel's one pass; compiled, 1.1-1.4x)
+MIN_COMPILED = 1 << 16      # elements: a shorter run takes less op by op than a compiled call's ~70 us
+_compiled = []              # _run compiled for the CPU: [] untried, [fn], or [None] (it failed)
+
+
 def _elementwise(f, runs, groups, mult, out):
-    # a rule's one function, run by run on a Flat's owned slice: the gradient in fp32 times the step's
-    # multiplier (unscale, clip), each state's slice, the group's values as they are now, the step count
+    # each run with the gradient in fp32 times the step's multiplier (unscale, clip), each state's slice,
+    # the group's values as they are now, the step count
     master = f.state["master"]
     for a, b, j, step in runs:
-        grad = f.grad_shard[a:b].float() * mult     # a new tensor: the rule may write into it
         state = {k: f.state[k][a:b] for k in f.rule.states}
-        f.rule.step(master[a:b], grad, state, groups[j], step)
+        out_run = None
         if out is not None:
-            out[a:b].copy_(master[a:b])
+            out_run = out[a:b]
+        args = (master[a:b], f.grad_shard[a:b], state, groups[j], step, mult, out_run)
+        if not (master.is_cpu and b - a >= MIN_COMPILED and _compiled_run(f.rule, *args)):
+            _run(f.rule.step, *args)
+
+
+def _run(rule_step, master, grad, state, group, step, mult, out):
+    # one run: the gradient in fp32 times the multiplier (a new tensor: the rule may write into it), the
+    # rule's step, the new master into `out`
+    grad = grad.float() * mult
+    rule_step(master, grad, state, group, step)
+    if out is not None:
+        out.copy_(master)
+
+
+def _compiled_run(rule, master, grad, state, group, step, mult, out):
+    # _run compiled once (dynamic shapes), one pass over the run; the group's floats, the step and the
+    # multiplier go in as 0-dim float64 tensors: a scheduler's new lr compiles nothing. False where it
+    # cannot compile (no compiler, an older torch), after one warning: the caller runs it op by op
+    if not _compiled:                       # (it keeps a graph for each rule, dtype and out it meets)
+        _compiled.append(_torch_compile(_run, dynamic=True, backend=_hoisted))
+    if _compiled[0] is None:
+        return False
+    numbers = {k: _number(group[k]) for k in rule.keys}
+    try:
+        _compiled[0](rule.step, master, grad, state, numbers, _number(float(step)), _number(mult), out)
+    except Exception as e:                  # raised before anything ran: compiling is all or nothing
+        _compiled[0] = None
+        warnings.warn(f"zero: rule {rule.name!r} runs op by op, not compiled ({type(e).__name__}: {e})"[:300])
+    return _compiled[0] is not None
+
+
+def _number(value):
+    # a float (a tuple's too) as a 0-dim float64 tensor: a compiled rule's input, not a constant of its code
+    if isinstance(value, (tuple, list)):
+        return type(value)(map(_number, value))
+    if isinstance(value, float):
+        return torch.scalar_tensor(value, dtype=torch.float64, device="cpu")
+    return value
+
+
+def _hoisted(gm, example_inputs):
+    # torch.compile's backend for _run: inductor's CPU kernels compute 0-dim arithmetic (a bias correction's
+    # pow) again for every vector of elements, 2x the time; that part of the graph is compiled apart.
+    # (inductor's compile is torch's private path: a failure here falls back op by op, see _compiled_run)
+    from torch._inductor import compile as inductor     # on first use: importing it takes a second
+    from torch.fx.passes.split_module import split_module
+    scalar = set()                          # the nodes of 0-dim values made of 0-dim values alone
+    for node in gm.graph.nodes:
+        if getattr(node.meta.get("example_value"), "dim", int)() == 0 and set(node.all_input_nodes) <= scalar:
+            scalar.add(node)
+    split = split_module(gm, None, lambda node: int(node not in scalar))
+    for node in split.graph.nodes:          # each part inductor's, called by a function of ours (FX's code
+        if node.op == "call_module":        # would call torch's by a path into torch)
+            part = getattr(split, node.target)
+            inputs = [n.meta["example_value"] for n in part.graph.nodes if n.op == "placeholder"]
+            node.op = "call_function"
+            node.target = lambda *args, fn=inductor(part, inputs): fn(*args)
+    split.recompile()
+    return split
 
 
 def newton_schulz(g, steps=5):

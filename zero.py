@@ -1145,11 +1145,9 @@ class Table:
     it first. The `kept` units are whole throughout (gathered when a forward starts) and in no op."""
 
     def __init__(self, units, kept, prefetch, gathers, frees, reduce=()):
-        self.units = units                  # the unit at each place
         self.n = len(units)                 # the point past the last place
         self.end = self.n + 1               # the walk's end (a point)
         self.ops = []                       # the Ops, in the order every rank runs them
-        self.most = 0                       # the most units whole at once, besides the kept ones
         at = collections.defaultdict(list)  # point -> the units reduced there
         for u, point in reduce:
             at[point].append(u)
@@ -1165,9 +1163,8 @@ class Table:
                 if gathers and u not in whole and u.index not in kept:
                     self.ops.append(Op(i, "gather", u, i + j))
                     whole.append(u)
-            self.most = max(self.most, len(whole))
-        # what the walk keeps true where it frees (stage 3): at most prefetch + 1 units whole at once
-        assert not frees or self.most <= prefetch + 1, (self.most, prefetch)
+            # what the walk keeps true where it frees (stage 3): at most prefetch + 1 units whole at once
+            assert not frees or len(whole) <= prefetch + 1, (len(whole), prefetch)
 
 
 class Schedule:
@@ -1268,8 +1265,6 @@ class Schedule:
         self.order = list(dict.fromkeys(self.places + self.order))
         for i in self.kept:
             self.units[i].hold()
-        self.reduced = set()
-        self.in_flight = collections.deque()
 
     def learn(self):
         """The first backward: the ranks agree on the order their forwards called the blocks in (not

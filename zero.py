@@ -255,12 +255,8 @@ def _device_of(group):
     # without a backend says which the GPU's tensors take)
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if group is not None:
-        conf = ""
-        if hasattr(dist, "get_backend_config"):
-            conf = str(dist.get_backend_config(group))
-        if "nccl" not in conf + str(dist.get_backend(group)):
-            return torch.device("cpu")
+    if group is not None and "nccl" not in str(dist.get_backend_config(group)) + str(dist.get_backend(group)):
+        return torch.device("cpu")
     gpu = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())) % torch.cuda.device_count()
     if torch.cuda.current_device() != gpu:
         raise RuntimeError(f"zero: the current CUDA device is not LOCAL_RANK's: call "
@@ -516,14 +512,12 @@ class LossScaler:
         else:
             self.scale = max(self.scale / 2, self.floor)
 
-    def state_dict(self):
-        return dict(scale=self.scale, clean_steps=self.clean_steps,
-                    hysteresis_left=self.hysteresis_left)
+    def state_dict(self):                   # what a checkpoint keeps, and a load sets again
+        return {k: getattr(self, k) for k in ("scale", "clean_steps", "hysteresis_left")}
 
     def load_state_dict(self, sd):
-        self.scale = sd["scale"]
-        self.clean_steps = sd["clean_steps"]
-        self.hysteresis_left = sd["hysteresis_left"]
+        for k in self.state_dict():
+            setattr(self, k, sd[k])
 
 # -----------------------------------------------------------------------------
 # 4. Update rules: the optimizer table, and AdamW
@@ -733,12 +727,11 @@ class Flat:
         self.padded = -(-self.end // grain) * grain     # the buffer's length
         ends = [o + n for o, n in zip(self.offsets, sizes)]
         # the slice this rank owns, [lo, hi): one of plan.shards, or all (stage 0; frozen at 1-2)
-        size = self.padded
         self.lo = 0
+        self.hi = self.padded
         if sharded:
-            size = self.padded // plan.shards
-            self.lo = plan.shard_rank * size
-        self.hi = self.lo + size
+            self.lo = plan.shard_rank * (self.padded // plan.shards)
+            self.hi = self.lo + self.padded // plan.shards
         self.pieces = []                    # (a, b, i): parameter i's owned piece [a, b), from lo
         for i, (o, e) in enumerate(zip(self.offsets, ends)):
             if max(o, self.lo) < min(e, self.hi):

@@ -523,9 +523,8 @@ class LossScaler:
 # 4. Update rules: the optimizer table, and AdamW
 #
 # An update rule is one entry of RULES (Rule): the state it keeps beside each fp32 master, its param group
-# keys, their checks, and its step on a Flat's owned slice. AdamW's step is memory-bound on that slice:
-# on CUDA torch's fused AdamW runs it; on the CPU a C kernel (section 17) does torch's operations in one
-# pass that also reads a bf16 gradient and writes the bf16 weights. Matrix rules (Muon): section 11.
+# keys, their checks, and its step on a Flat's owned slice. AdamW's step, memory-bound on that slice, is
+# torch's fused AdamW on CUDA and the C kernel of section 17 on the CPU. Matrix rules (Muon): section 11.
 
 CONVERT_CHUNK = 1 << 22     # elements of a 16-bit gradient converted to fp32 at a time, into _scratch[device]
 _scratch = {}               # device -> the fp32 buffer torch's AdamW converts a CPU's 16-bit gradient into
@@ -535,12 +534,12 @@ def _host_threads():
     # the cores this process may run on (under torchrun torch has only one thread), shared by the node's ranks
     # unless the launcher bound each rank to cores of its own: then this rank's mask is narrower than the
     # launcher's (a container's cpuset narrows both, and its ranks still share it)
-    if not hasattr(os, "sched_getaffinity"):
-        return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    cores = len(os.sched_getaffinity(0))
-    launcher = os.cpu_count() or 1          # the parent's mask; the machine's where it cannot be read
-    with contextlib.suppress(OSError):
-        launcher = len(os.sched_getaffinity(os.getppid()))
+    cores = os.cpu_count() or 1             # this process's mask (the machine's where there are none) ...
+    launcher = cores                        # ... and the parent's (the machine's where it cannot be read)
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+        with contextlib.suppress(OSError):
+            launcher = len(os.sched_getaffinity(os.getppid()))
     if cores < launcher:                    # bound: these cores are this rank's alone
         return cores
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

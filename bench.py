@@ -596,7 +596,7 @@ def report_adam(sizes, rounds):
             args = OPT["lr"], *OPT["betas"], OPT["eps"], OPT["weight_decay"]
             for label, g, o, nbytes in (("", p.grad, None, 28), (", out=bf16", p.grad, out, 30),
                                         (", bf16 grad, out=bf16", g16, out, 28)):
-                fns[f"zero.adamw_step{label}"] = lambda g=g, o=o, w=p.data: zero.adamw_step(w, g, m, v, 10, *args, out=o)
+                fns[f"zero.adamw_step{label}"] = lambda g=g, o=o, w=p.data: zero.adamw_step(w, g, m, v, [(0, n, *args, 10)], out=o)
                 traffic[f"zero.adamw_step{label}"] = nbytes
             for label, g, nbytes in ((", out=bf16", p.grad, 34), (", bf16 grad, out=bf16", g16, 32)):
                 fns[f"torch fused + copy{label}"] = lambda g=g, w=p.data: zero._torch_adamw(

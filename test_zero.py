@@ -1599,7 +1599,8 @@ def test_cpu_adamw_kernel_is_torchs_fused_adamw():
         ours, ref = _adamw_inputs(n, grad_dtype), _adamw_inputs(n, grad_dtype)
         out, ref_out = [None if out_dtype is None else torch.empty(n, dtype=out_dtype) for _ in range(2)]
         for step in (1, 2, 3):
-            zero.adamw_step(*ours[:1], ours[1].clone(), *ours[2:], step, 1e-3, 0.9, 0.95, 1e-8, 0.1, mult, out)
+            zero.adamw_step(*ours[:1], ours[1].clone(), *ours[2:], [(0, n, 1e-3, 0.9, 0.95, 1e-8, 0.1, step)], mult,
+                            out)
             zero._torch_adamw(*ref[:1], ref[1].clone(), *ref[2:], [(0, n, 1e-3, 0.9, 0.95, 1e-8, 0.1, step)], mult,
                               ref_out)
         for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), (ours[0], ours[2], ours[3]), (ref[0], ref[2], ref[3])):
@@ -1618,7 +1619,7 @@ def test_cpu_adamw_without_a_compiler_warns_once_and_uses_torch(tmp_path):
             "    a, b = T._adamw_inputs(1000, torch.bfloat16), T._adamw_inputs(1000, torch.bfloat16)\n"
             "    o, p = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.bfloat16)\n"
             "    for s in (1, 2):\n"
-            "        zero.adamw_step(*a, s, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, o)\n"
+            "        zero.adamw_step(*a, [(0, 1000, 1e-3, 0.9, 0.95, 1e-8, 0.1, s)], 0.5, o)\n"
             "        zero._torch_adamw(*b, [(0, 1000, 1e-3, 0.9, 0.95, 1e-8, 0.1, s)], 0.5, p)\n"
             "assert all(torch.equal(x, y) for x, y in zip(a + [o], b + [p]))\n"
             "print(len(w), w[0].message)\n")
@@ -4473,7 +4474,7 @@ def recorded_streams(log):
             self.d2h, self.h2d = FakeStream("d2h", log), FakeStream("h2d", log)
 
     kept, saved = [], dict(current_stream=torch.cuda.current_stream, stream=torch.cuda.stream, Event=torch.cuda.Event)
-    copy, adamw, rs, wait, record = (torch.Tensor.copy_, zero.adamw_runs, zero.Comm.reduce_scatter, zero.Comm.wait,
+    copy, adamw, rs, wait, record = (torch.Tensor.copy_, zero.adamw_step, zero.Comm.reduce_scatter, zero.Comm.wait,
                                      torch.Tensor.record_stream)
 
     def logged_copy(dst, src, *a, **k):
@@ -4497,14 +4498,14 @@ def recorded_streams(log):
         log.append(("keep", t.data_ptr(), s.name))
         kept.append(t)
     torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event = current, stream, Event
-    zero.Copies, torch.Tensor.copy_, zero.adamw_runs = Copies, logged_copy, logged_adamw
+    zero.Copies, torch.Tensor.copy_, zero.adamw_step = Copies, logged_copy, logged_adamw
     zero.Comm.reduce_scatter, zero.Comm.wait, torch.Tensor.record_stream = logged_rs, logged_wait, keep
     try:
         yield
     finally:
         for k, v in saved.items():
             setattr(torch.cuda, k, v)
-        zero.Copies, torch.Tensor.copy_, zero.adamw_runs = Copies.__mro__[1], copy, adamw
+        zero.Copies, torch.Tensor.copy_, zero.adamw_step = Copies.__mro__[1], copy, adamw
         zero.Comm.reduce_scatter, zero.Comm.wait, torch.Tensor.record_stream = rs, wait, record
 
 

@@ -255,12 +255,8 @@ def _device_of(group):
     # without a backend says which the GPU's tensors take)
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if group is not None:
-        conf = ""
-        if hasattr(dist, "get_backend_config"):
-            conf = str(dist.get_backend_config(group))
-        if "nccl" not in conf + str(dist.get_backend(group)):
-            return torch.device("cpu")
+    if group is not None and "nccl" not in str(dist.get_backend_config(group)) + str(dist.get_backend(group)):
+        return torch.device("cpu")
     gpu = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())) % torch.cuda.device_count()
     if torch.cuda.current_device() != gpu:
         raise RuntimeError(f"zero: the current CUDA device is not LOCAL_RANK's: call "
@@ -516,57 +512,70 @@ class LossScaler:
         else:
             self.scale = max(self.scale / 2, self.floor)
 
-    def state_dict(self):
-        return dict(scale=self.scale, clean_steps=self.clean_steps,
-                    hysteresis_left=self.hysteresis_left)
+    def state_dict(self):                   # what a checkpoint keeps, and a load sets again
+        return {k: getattr(self, k) for k in ("scale", "clean_steps", "hysteresis_left")}
 
     def load_state_dict(self, sd):
-        self.scale = sd["scale"]
-        self.clean_steps = sd["clean_steps"]
-        self.hysteresis_left = sd["hysteresis_left"]
+        for k in self.state_dict():
+            setattr(self, k, sd[k])
 
 # -----------------------------------------------------------------------------
 # 4. Update rules: the optimizer table, and AdamW
 #
 # An update rule is one entry of RULES (Rule): the state it keeps beside each fp32 master, its param group
-# keys, their checks, and its step on a Flat's owned slice. AdamW's step is memory-bound on that slice:
-# on CUDA torch's fused AdamW runs it; on the CPU a C kernel (section 17) does torch's operations in one
-# pass that also reads a bf16 gradient and writes the bf16 weights. Matrix rules (Muon): section 11.
+# keys, their checks, and its step on a Flat's owned slice. AdamW's step, memory-bound on that slice, is
+# torch's fused AdamW on CUDA and the C kernel of section 17 on the CPU. Matrix rules (Muon): section 11.
 
 CONVERT_CHUNK = 1 << 22     # elements of a 16-bit gradient converted to fp32 at a time, into _scratch[device]
+_scratch = {}               # device -> the fp32 buffer torch's AdamW converts a CPU's 16-bit gradient into
 
 
 def _host_threads():
     # the cores this process may run on (under torchrun torch has only one thread), shared by the node's ranks
     # unless the launcher bound each rank to cores of its own: then this rank's mask is narrower than the
     # launcher's (a container's cpuset narrows both, and its ranks still share it)
-    if not hasattr(os, "sched_getaffinity"):
-        return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    cores = len(os.sched_getaffinity(0))
-    launcher = os.cpu_count() or 1          # the parent's mask; the machine's where it cannot be read
-    with contextlib.suppress(OSError):
-        launcher = len(os.sched_getaffinity(os.getppid()))
+    cores = os.cpu_count() or 1             # this process's mask (the machine's where there are none) ...
+    launcher = cores                        # ... and the parent's (the machine's where it cannot be read)
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+        with contextlib.suppress(OSError):
+            launcher = len(os.sched_getaffinity(os.getppid()))
     if cores < launcher:                    # bound: these cores are this rank's alone
         return cores
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def adamw_runs(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
-    """adamw_step on each run (a, b, lr, beta1, beta2, eps, weight_decay, step) of these tensors: the C kernel
-    a run at a time; else torch's fused kernel, a multi-tensor call per hyperparameters (an entry per run)."""
-    if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
+def _adamw(f, runs, groups, mult, out):
+    # AdamW's step on a Flat's owned slice, each run (a, b, group, step) with its group's values now
+    hyper = []
+    for a, b, j, step in runs:
+        g = groups[j]
+        hyper.append((a, b, g["lr"], *g["betas"], g["eps"], g["weight_decay"], step))
+    st = f.state
+    adamw_step(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], hyper, mult, out)
+
+
+def adamw_step(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
+    """AdamW on the runs (a, b, lr, beta1, beta2, eps, weight_decay, step) of 1-D fp32 tensors as torch's
+    fused kernel computes it, grad_mult (unscale, clip) inside, the new master also into `out`; the one
+    place that picks the kernel: the C kernel (section 17) run by run where it takes the tensors, else
+    torch's."""
+    tensors = [t for t in (master, grad, exp_avg, exp_avg_sq, out) if t is not None]
+    # the C kernel's: CPU tensors of one length, fp32 states, an fp32 or bf16 gradient and out
+    c_takes = all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in tensors)
+    c_takes = c_takes and {master.dtype, exp_avg.dtype, exp_avg_sq.dtype} == {torch.float32}
+    c_takes = c_takes and {t.dtype for t in tensors} <= {torch.float32, torch.bfloat16}
+    if not c_takes or _cpu_kernel() is None:
         return _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult, out)
-    for a, b, lr, beta1, beta2, eps, weight_decay, step in runs:
-        out_run = out[a:b] if out is not None else None
-        adamw_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, lr, beta1, beta2, eps,
-                   weight_decay, grad_mult, out_run)
+    for run in runs:
+        _c_adamw(master, grad, exp_avg, exp_avg_sq, out, *run, grad_mult)
 
 
 def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=None):
-    # torch's fused kernel (torch >= 2.4's signature) on the runs (a, b, lr, beta1, beta2, eps, weight_decay,
-    # step): one multi-tensor call per hyperparameters, a list entry and a step count per run. A 16-bit
-    # gradient is converted to fp32 once: on a device all of it (a transient), on a CPU in chunks through
-    # _scratch (a fresh fp32 copy costs more in page faults than the update), a call per chunk
+    # torch's fused kernel (torch >= 2.4's signature; CUDA, an fp16 gradient, no compiler): one multi-tensor
+    # call per hyperparameters, a list entry and a step count per run. A 16-bit gradient is converted to fp32
+    # once: on a device all of it (a transient), on a CPU in chunks through _scratch (a fresh fp32 copy costs
+    # more in page faults than the update), a call per chunk
     if not runs:
         return
     dev = master.device
@@ -606,16 +615,6 @@ def _torch_adamw(master, grad, exp_avg, exp_avg_sq, runs, grad_mult=1.0, out=Non
     if out is not None:
         for a, b, *_ in runs:
             out[a:b].copy_(master[a:b])
-
-
-def _adamw(f, runs, groups, mult, out):
-    # AdamW on a Flat's owned slice, each run (a, b, group, step) with its group's values as they are now
-    hyper = []
-    for a, b, j, step in runs:
-        g = groups[j]
-        hyper.append((a, b, g["lr"], *g["betas"], g["eps"], g["weight_decay"], step))
-    st = f.state
-    adamw_runs(st["master"], f.grad_shard, st["exp_avg"], st["exp_avg_sq"], hyper, mult, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,12 +726,11 @@ class Flat:
         self.padded = -(-self.end // grain) * grain     # the buffer's length
         ends = [o + n for o, n in zip(self.offsets, sizes)]
         # the slice this rank owns, [lo, hi): one of plan.shards, or all (stage 0; frozen at 1-2)
-        size = self.padded
         self.lo = 0
+        self.hi = self.padded
         if sharded:
-            size = self.padded // plan.shards
-            self.lo = plan.shard_rank * size
-        self.hi = self.lo + size
+            self.lo = plan.shard_rank * (self.padded // plan.shards)
+            self.hi = self.lo + self.padded // plan.shards
         self.pieces = []                    # (a, b, i): parameter i's owned piece [a, b), from lo
         for i, (o, e) in enumerate(zip(self.offsets, ends)):
             if max(o, self.lo) < min(e, self.hi):
@@ -3722,7 +3720,7 @@ def consolidate(path):
 # -----------------------------------------------------------------------------
 # 17. The C AdamW kernel
 #
-# AdamW's step on the CPU (AdamW's entry in section 4 calls it where it takes the tensors): built once
+# AdamW's step on the CPU (section 4's adamw_step calls it where it takes the tensors): built once
 # into ~/.cache/zero_py (with no compiler: a warning, and torch's fused kernel), torch's operations in one
 # pass that also reads a bf16 gradient and writes the bf16 weights.
 ADAMW_C = r"""
@@ -3776,7 +3774,7 @@ void adamw(int kind, int64_t n, int64_t *next, float *p, const void *g, float *m
 # -fno-math-errno, -fno-trapping-math vectorise sqrtf and the selects (4x on AVX2); unlike -ffast-math, exact
 ADAMW_FLAGS = "-O3 -march=native -fno-math-errno -fno-trapping-math -ffp-contract=off -shared -fPIC".split()
 MIN_PER_THREAD = 1 << 17    # parameters: waking another thread for fewer costs more than it saves
-_kernel, _kernel_lock, _pools, _scratch = [], threading.Lock(), {}, {}   # _kernel: [] untried, [fn] or [None]
+_kernel, _kernel_lock, _pools = [], threading.Lock(), {}   # _kernel: [] untried, [fn] or [None]
 
 
 def _build_kernel():
@@ -3828,40 +3826,23 @@ def _parallel(fn, n, args):
         h.result()
 
 
-def adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult=1.0,
-               out=None):
-    """AdamW on 1-D fp32 tensors as torch's fused kernel computes it, grad_mult (unscale, clip) inside, the
-    new master also into `out`: on the CPU one pass of the C kernel (fp32/bf16 grad and out), else torch's."""
-    if not _c_takes(master, grad, exp_avg, exp_avg_sq, out):
-        return _torch_adamw(master, grad, exp_avg, exp_avg_sq,
-                            [(0, master.numel(), lr, beta1, beta2, eps, weight_decay, step)], grad_mult, out)
-    if out is not None and out.dtype == torch.float32:   # fp32 compute with offload
-        adamw_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_mult)
-        return out.copy_(master)
-    n = master.numel()
-    next_block = ctypes.c_int64(0)          # the next block of 2^16 elements a thread takes
+def _c_adamw(master, grad, exp_avg, exp_avg_sq, out, a, b, lr, beta1, beta2, eps, weight_decay, step,
+             grad_mult):
+    # elements [a, b) of adamw_step (section 4) in one pass of the kernel on _parallel's threads, which also
+    # writes a bf16 out; an fp32 one (fp32 compute with offload) is copied after
     bc1 = 1 - beta1 ** step                 # in double, then rounded to float, as torch does
     bc2 = 1 - beta2 ** step
     consts = (ctypes.c_float * 10)(1 - lr * weight_decay, 1 / grad_mult, 1 - beta1, beta2, 1 - beta2,
                                    -lr / bc1, math.sqrt(bc2), eps)   # the kernel sets the last two
-    kind = (grad.dtype == torch.bfloat16) + 2 * (out is not None) + 4 * (grad_mult != 1.0)
-    ptrs = [t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq)]
-    ptrs.append(out.data_ptr() if out is not None else None)
-    return _parallel(_cpu_kernel(), n, (kind, n, ctypes.addressof(next_block), *ptrs, consts))
-
-
-def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
-    # the C kernel's tensors (CPU, fp32 state, an fp32 or bf16 gradient, a bf16 out or an fp32 one copied
-    # after, 1-D of one length), and the kernel built
-    ts = [t for t in (master, grad, exp_avg, exp_avg_sq, out) if t is not None]
-    takes = (torch.float32, torch.bfloat16)
-    if grad.dtype not in takes or out is not None and out.dtype not in takes:
-        return False
-    if not master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32:
-        return False
-    if not all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
-        return False
-    return _cpu_kernel() is not None
+    writes_out = out is not None and out.dtype == torch.bfloat16
+    kind = (grad.dtype == torch.bfloat16) + 2 * writes_out + 4 * (grad_mult != 1.0)
+    ptrs = [t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq)] + [None]   # out's, where written
+    if writes_out:
+        ptrs[-1] = out.data_ptr()
+    next_block = ctypes.c_int64(a)          # the next block of 2^16 elements a thread takes, up to b
+    _parallel(_cpu_kernel(), b - a, (kind, b, ctypes.addressof(next_block), *ptrs, consts))
+    if out is not None and not writes_out:
+        out[a:b].copy_(master[a:b])
 
 # -----------------------------------------------------------------------------
 # 18. Launching, the memory estimator and the command line

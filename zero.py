@@ -69,9 +69,11 @@ from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint as recompute
 
+
 # =============================================================================
 # Part I: the core. What a stage 1-3 step with fp16, recompute and offload runs, in the order data flows
 # =============================================================================
+
 
 # -----------------------------------------------------------------------------
 # 1. Config, and the Plan made from it
@@ -213,6 +215,7 @@ def divide_factors(n):
     largest power of two <= sqrt(n) (as FSDP), costs fp16 log2(pre) bits of range, not log2(n)."""
     pre = 1 << (math.isqrt(n).bit_length() - 1)
     return pre, n / pre
+
 
 # -----------------------------------------------------------------------------
 # 2. Distributed setup and collectives
@@ -478,6 +481,7 @@ def _work_done(work, seconds):
             raise
         return False
 
+
 # -----------------------------------------------------------------------------
 # 3. Loss scaler
 #
@@ -524,6 +528,7 @@ class LossScaler:
         self.scale = sd["scale"]
         self.clean_steps = sd["clean_steps"]
         self.hysteresis_left = sd["hysteresis_left"]
+
 
 # -----------------------------------------------------------------------------
 # 4. Update rules: the optimizer table, and AdamW
@@ -686,6 +691,7 @@ def _check_group(prefix, j, g):
         problem = rule.check(g)
     if problem:
         raise ValueError(f"{prefix}: param_groups[{j}] {problem}")
+
 
 # -----------------------------------------------------------------------------
 # 5. Flat buffers and units
@@ -1123,6 +1129,7 @@ def _on_grad(sched, j, k, i, p):
     s = sched()
     if s is not None:
         s.on_grad(s.units[j], k, i, p)
+
 
 # -----------------------------------------------------------------------------
 # 6. The schedule: one table every rank walks
@@ -1578,6 +1585,7 @@ class Schedule:
         self.forwards = 0
         self.micro += 1
 
+
 # -----------------------------------------------------------------------------
 # 7. The engine
 #
@@ -2031,6 +2039,7 @@ def _post_order(module, stop):
             yield from _post_order(child, stop)
     yield module
 
+
 # -----------------------------------------------------------------------------
 # 8. Offload: the host update's thread, its copies and pinned buffers
 
@@ -2167,9 +2176,11 @@ def _host_register(ptr, nbytes):
 def _host_unregister(ptr):
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
+
 # =============================================================================
 # Part II: the extensions, a section each. Part I reaches each at one named seam
 # =============================================================================
+
 
 # -----------------------------------------------------------------------------
 # 9. Rank-dependent orders: the blocks each rank called, merged into one order; a parameter used
@@ -2237,6 +2248,7 @@ def _read_outside(sched, u, name):
     u.hold()
     u.unshard().mark(False)
 
+
 # -----------------------------------------------------------------------------
 # 10. Hybrid sharding
 #
@@ -2264,6 +2276,7 @@ class Replica:
             if self.unit.plan.offload:
                 self.unit.to_host(f, dev)
         self.works = []
+
 
 # -----------------------------------------------------------------------------
 # 11. Update rules beyond AdamW: Muon, and matrix rules
@@ -2685,6 +2698,7 @@ def _matrix_view(j, g, p, module_view, name, rule):
                          "for an (in, out) layout, else False")
     return (*out[:3], transposed)
 
+
 # -----------------------------------------------------------------------------
 # 12. Parameter groups, adopting a torch optimizer, and torch's patches
 
@@ -2886,6 +2900,7 @@ register_optimizer_step_pre_hook(_foreign_step)
 torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
 torch.compile = functools.wraps(_torch_compile)(_compile)
 
+
 # -----------------------------------------------------------------------------
 # 13. The meta-device build and the state dicts
 
@@ -3073,6 +3088,7 @@ def _restore(engine, prepare, what, filled=None):
                 v.copy_(extra[k])
     engine._filled(filled)
     return rounded
+
 
 # -----------------------------------------------------------------------------
 # 14. Call checks through the store, and the exit
@@ -3305,6 +3321,7 @@ def _more_calls(counts):
                 for r, k in c.items() if k > c[lo]]
     return out[:4]
 
+
 # -----------------------------------------------------------------------------
 # 15. The ledgers: memory() and comm()
 
@@ -3394,6 +3411,7 @@ def _num_params(engine, padded=False, frozen=False):
     if padded:
         return sum(f.padded for f in flats)
     return sum(f.numel for f in flats)
+
 
 # -----------------------------------------------------------------------------
 # 16. Checkpoints
@@ -3719,6 +3737,7 @@ def consolidate(path):
         values.update(dict.fromkeys(p["aliases"], whole))
     return {k: values[k] for k in f.meta["state_dict_keys"]}
 
+
 # -----------------------------------------------------------------------------
 # 17. The C AdamW kernel
 #
@@ -3862,6 +3881,7 @@ def _c_takes(master, grad, exp_avg, exp_avg_sq, out):
     if not all(t.is_cpu and t.is_contiguous() and t.numel() == master.numel() for t in ts):
         return False
     return _cpu_kernel() is not None
+
 
 # -----------------------------------------------------------------------------
 # 18. Launching, the memory estimator and the command line

@@ -69,9 +69,11 @@ from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint as recompute
 
+
 # =============================================================================
 # Part I: the core. What a stage 1-3 step with fp16, recompute and offload runs, in the order data flows
 # =============================================================================
+
 
 # -----------------------------------------------------------------------------
 # 1. Config, and the Plan made from it
@@ -213,6 +215,7 @@ def divide_factors(n):
     largest power of two <= sqrt(n) (as FSDP), costs fp16 log2(pre) bits of range, not log2(n)."""
     pre = 1 << (math.isqrt(n).bit_length() - 1)
     return pre, n / pre
+
 
 # -----------------------------------------------------------------------------
 # 2. Distributed setup and collectives
@@ -474,6 +477,7 @@ def _work_done(work, seconds):
             raise
         return False
 
+
 # -----------------------------------------------------------------------------
 # 3. Loss scaler
 #
@@ -518,6 +522,7 @@ class LossScaler:
     def load_state_dict(self, sd):
         for k in self.state_dict():
             setattr(self, k, sd[k])
+
 
 # -----------------------------------------------------------------------------
 # 4. Update rules: the optimizer table, and AdamW
@@ -685,6 +690,7 @@ def _check_group(prefix, j, g):
         problem = rule.check(g)
     if problem:
         raise ValueError(f"{prefix}: param_groups[{j}] {problem}")
+
 
 # -----------------------------------------------------------------------------
 # 5. Flat buffers and units
@@ -1121,6 +1127,7 @@ def _on_grad(sched, j, k, i, p):
     s = sched()
     if s is not None:
         s.on_grad(s.units[j], k, i, p)
+
 
 # -----------------------------------------------------------------------------
 # 6. The schedule: one table every rank walks
@@ -1576,6 +1583,7 @@ class Schedule:
         self.forwards = 0
         self.micro += 1
 
+
 # -----------------------------------------------------------------------------
 # 7. The engine
 #
@@ -2029,6 +2037,7 @@ def _post_order(module, stop):
             yield from _post_order(child, stop)
     yield module
 
+
 # -----------------------------------------------------------------------------
 # 8. Offload: the host update's thread, its copies and pinned buffers
 
@@ -2165,9 +2174,11 @@ def _host_register(ptr, nbytes):
 def _host_unregister(ptr):
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
+
 # =============================================================================
 # Part II: the extensions, a section each. Part I reaches each at one named seam
 # =============================================================================
+
 
 # -----------------------------------------------------------------------------
 # 9. Rank-dependent orders: the blocks each rank called, merged into one order; a parameter used
@@ -2235,6 +2246,7 @@ def _read_outside(sched, u, name):
     u.hold()
     u.unshard().mark(False)
 
+
 # -----------------------------------------------------------------------------
 # 10. Hybrid sharding
 #
@@ -2262,6 +2274,7 @@ class Replica:
             if self.unit.plan.offload:
                 self.unit.to_host(f, dev)
         self.works = []
+
 
 # -----------------------------------------------------------------------------
 # 11. Update rules beyond AdamW: Muon, and matrix rules
@@ -2683,6 +2696,7 @@ def _matrix_view(j, g, p, module_view, name, rule):
                          "for an (in, out) layout, else False")
     return (*out[:3], transposed)
 
+
 # -----------------------------------------------------------------------------
 # 12. Parameter groups, adopting a torch optimizer, and torch's patches
 
@@ -2884,6 +2898,7 @@ register_optimizer_step_pre_hook(_foreign_step)
 torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
 torch.compile = functools.wraps(_torch_compile)(_compile)
 
+
 # -----------------------------------------------------------------------------
 # 13. The meta-device build and the state dicts
 
@@ -3071,6 +3086,7 @@ def _restore(engine, prepare, what, filled=None):
                 v.copy_(extra[k])
     engine._filled(filled)
     return rounded
+
 
 # -----------------------------------------------------------------------------
 # 14. Call checks through the store, and the exit
@@ -3303,6 +3319,7 @@ def _more_calls(counts):
                 for r, k in c.items() if k > c[lo]]
     return out[:4]
 
+
 # -----------------------------------------------------------------------------
 # 15. The ledgers: memory() and comm()
 
@@ -3392,6 +3409,7 @@ def _num_params(engine, padded=False, frozen=False):
     if padded:
         return sum(f.padded for f in flats)
     return sum(f.numel for f in flats)
+
 
 # -----------------------------------------------------------------------------
 # 16. Checkpoints
@@ -3717,6 +3735,7 @@ def consolidate(path):
         values.update(dict.fromkeys(p["aliases"], whole))
     return {k: values[k] for k in f.meta["state_dict_keys"]}
 
+
 # -----------------------------------------------------------------------------
 # 17. The C AdamW kernel
 #
@@ -3843,6 +3862,7 @@ def _c_adamw(master, grad, exp_avg, exp_avg_sq, out, a, b, lr, beta1, beta2, eps
     _parallel(_cpu_kernel(), b - a, (kind, b, ctypes.addressof(next_block), *ptrs, consts))
     if out is not None and not writes_out:
         out[a:b].copy_(master[a:b])
+
 
 # -----------------------------------------------------------------------------
 # 18. Launching, the memory estimator and the command line

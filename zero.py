@@ -2755,8 +2755,7 @@ def _param_groups(model, cfg, param_groups, optimizer):
         raise ValueError(f"zero.Zero: {names} require grad but are in no param group of the "
                          "optimizer; add them to it, or freeze them before zero.Zero")
     # parameters in no group: Config's rule with Config's values, weight decay on >= 2-D ones only; a
-    # matrix rule on the matrices the modules say (as in nanoGPT and Hugging Face's models: not the
-    # embeddings, nor the head), AdamW at adamw_lr on the rest
+    # matrix rule on the matrices _module_views takes by default, AdamW at adamw_lr on the rest
     main = RULES[cfg.update]
     module_views = {}                       # (asked of the modules for a matrix rule only)
     if main.matrices or any(RULES[g.get("update", "adamw")].matrices for g in groups):

@@ -2286,8 +2286,7 @@ _compiled = []              # _run compiled for the CPU: [] untried, [fn], or [N
 
 
 def _elementwise(f, runs, groups, mult, out):
-    # each run with the gradient in fp32 times the step's multiplier (unscale, clip), each state's slice,
-    # the group's values as they are now, the step count
+    # the rule on each run (_run), with its states' slices, its group's values as they are now, its step count
     master = f.state["master"]
     for a, b, j, step in runs:
         state = {k: f.state[k][a:b] for k in f.rule.states}
@@ -2407,7 +2406,6 @@ RULES["muon"] = Rule("muon", ("momentum_buffer",), ("lr", "momentum", "nesterov"
                      _muon_defaults, _muon_check, whole=_muon_whole, before=_muon_before,
                      after=decoupled_update, sends=(torch.bfloat16, torch.bfloat16), offload=False)
 
-VIEW_KEYS = ("view", "transposed")  # a matrix rule's group may say how its tensors are matrices
 # One matrix of a matrix rule: parameter i of `flat`, laid out as `shape` from element `start` of its
 # buffer (transposed: the matrix the rule sees is its transpose, as an (in, out) layout asks); `name`
 # keys its owner state in a checkpoint
@@ -2425,8 +2423,7 @@ def _matrices(f, views):
             name = f.names[i]
             if count > 1:
                 name = f"{name}[{e}]"
-            start = f.offsets[i] + e * rows * cols
-            out.append(Matrix(f, i, start, (rows, cols), transposed, name))
+            out.append(Matrix(f, i, f.offsets[i] + e * rows * cols, (rows, cols), transposed, name))
     return out
 
 
@@ -2517,54 +2514,47 @@ class MatrixStep:
 
     def step(self, groups, mult):
         """The rule on every matrix with a gradient, with the groups' values as they are now and the
-        step's multiplier (unscale, clip)."""
+        step's multiplier (unscale, clip). A matrix no rank had a gradient for is left alone, its state
+        too, as torch's optimizers leave a parameter whose .grad is None."""
         rule = self.rule
-        dev = self.plan.device
+        pieces = [(k, a, b, at) for k, a, b, at in self.pieces if self._used(k)]
         if not self.exchange:               # each matrix whole here: one at a time, nothing in flight
-            for k, a, b, _ in self.pieces:
-                sent = self._before(k, a, b, groups, mult)
-                if sent is not None:
-                    update = self._whole(k, sent.to(rule.sends[0], copy=True), groups)
-                    self._after(k, a, b, update.to(rule.sends[1]), groups)
+            for k, a, b, _ in pieces:
+                sent = self._before(k, a, b, groups, mult).to(rule.sends[0], copy=True)
+                update = self._whole(k, sent, groups)
+                self._after(k, a, b, update.to(rule.sends[1]), groups)
             return
-        send = torch.zeros(sum(self.send_splits), dtype=rule.sends[0], device=dev)
-        for k, a, b, at in self.pieces:
-            sent = self._before(k, a, b, groups, mult)
-            if sent is not None:
-                send[at:at + b - a] = sent
-        recv = torch.empty(sum(self.recv_splits), dtype=send.dtype, device=dev)
+        send = torch.zeros(sum(self.send_splits), dtype=rule.sends[0], device=self.plan.device)
+        for k, a, b, at in pieces:
+            send[at:at + b - a] = self._before(k, a, b, groups, mult)
+        recv = torch.empty(sum(self.recv_splits), dtype=send.dtype, device=send.device)
         work = self.net.all_to_all(recv, send, self.recv_splits, self.send_splits, "matrix_to_owners")
         self.net.wait(work)
-        updates = torch.zeros(len(recv), dtype=rule.sends[1], device=dev)
+        updates = torch.zeros(len(recv), dtype=rule.sends[1], device=recv.device)
         for k, parts in self.parts.items():
-            m = self.matrices[k]
-            if not m.flat.used[m.i]:
+            if not self._used(k):
                 continue
             update = self._whole(k, torch.cat([recv[at:at + n] for at, n in parts]), groups)
-            done = 0
-            for at, n in parts:             # back where each piece came from
-                updates[at:at + n] = update[done:done + n]
-                done += n
-        back = torch.empty(len(send), dtype=updates.dtype, device=dev)
+            # back where each piece came from
+            for (at, n), piece in zip(parts, update.split([n for _, n in parts])):
+                updates[at:at + n] = piece
+        back = torch.empty(len(send), dtype=updates.dtype, device=send.device)
         work = self.net.all_to_all(back, updates, self.send_splits, self.recv_splits, "matrix_from_owners")
         self.net.wait(work)
-        for k, a, b, at in self.pieces:
+        for k, a, b, at in pieces:
             self._after(k, a, b, back[at:at + b - a], groups)
 
-    def _before(self, k, a, b, groups, mult):
-        # the rule's part before the exchange on this rank's piece [a, b) of matrix k: what it sends
-        # (the gradient, by default), or None where no rank had a gradient: a matrix left alone, its
-        # state too, as torch's optimizers leave a parameter whose .grad is None
+    def _used(self, k):                     # a gradient came for matrix k on some rank this step
         m = self.matrices[k]
-        f = m.flat
-        if not f.used[m.i]:
-            return None
-        grad = f.grad_shard[a:b].float() * mult     # a new tensor: the rule may write into it
+        return m.flat.used[m.i]
+
+    def _before(self, k, a, b, groups, mult):
+        # what this rank sends the owner of matrix k from its piece [a, b): the gradient (a new tensor:
+        # the rule may write into it), or what the rule's `before` makes of it
+        grad = self.matrices[k].flat.grad_shard[a:b].float() * mult
         if self.rule.before is None:
             return grad
-        state = {n: f.state[n][a:b] for n in self.rule.states}
-        return self.rule.before(f.state["master"][a:b], grad, state, groups[f.group[m.i]],
-                                f.steps[m.i], _oriented(m))
+        return self._on_slices(self.rule.before, k, a, b, grad, groups)
 
     def _whole(self, k, x, groups):
         # the rule's `whole` on matrix k from its elements as laid out; its update, flat, as laid out
@@ -2578,16 +2568,19 @@ class MatrixStep:
         return update.reshape(-1)
 
     def _after(self, k, a, b, update, groups):
-        # the rule's part after the exchange on this rank's piece of matrix k; the 16-bit copy written
+        # the rule's `after` on this rank's piece [a, b) of matrix k, then the 16-bit copy written
+        f = self.matrices[k].flat
+        self._on_slices(self.rule.after, k, a, b, update.float(), groups)
+        if f.out is not None:
+            f.out[a:b].copy_(f.state["master"][a:b])
+
+    def _on_slices(self, part, k, a, b, x, groups):
+        # `before` or `after` on the piece [a, b) of matrix k: its master's and states' slices, the
+        # gradient or the update (x), its group, its step count and the (rows, cols) the rule sees
         m = self.matrices[k]
         f = m.flat
-        if not f.used[m.i]:
-            return
-        master = f.state["master"][a:b]
         state = {n: f.state[n][a:b] for n in self.rule.states}
-        self.rule.after(master, update.float(), state, groups[f.group[m.i]], f.steps[m.i], _oriented(m))
-        if f.out is not None:
-            f.out[a:b].copy_(master)
+        return part(f.state["master"][a:b], x, state, groups[f.group[m.i]], f.steps[m.i], _oriented(m))
 
     def held(self):                         # the owner state's tensors (memory() counts them)
         return [t for state in self.owned.values() for t in state.values()]
@@ -2647,8 +2640,7 @@ def _module_views(model):
     cls_token), 2-dim tensors that are no module's weight (gpt-oss's expert biases, Mamba's A_log)."""
     skip = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if linears:
-        skip.add(id(linears[-1].weight))
+    skip.update(id(m.weight) for m in linears[-1:])     # the head
     out = {}
     for m in model.modules():
         for n, p in m.named_parameters(recurse=False):
@@ -2709,17 +2701,19 @@ _torch_clip, _torch_compile = torch.nn.utils.clip_grad_norm_, torch.compile   # 
 def _param_groups(model, cfg, param_groups, optimizer):
     """torch's param groups over the model's trainable parameters, checked: each parameter in one
     group, each group with the keys of its rule (its "update": RULES), the rest from Config, and its
-    values as the rule checks them; those in no group get Config's rule (a matrix rule: on the
-    matrices _module_views takes by default, AdamW at adamw_lr on the rest), weight decay on >= 2 dims
-    only. Made from param_groups, or shared with a torch Adam/AdamW (its schedulers then drive the
-    engine). Returns the groups, each parameter's group, and each matrix rule parameter's view
-    (_matrix_view), by identity."""
+    values as the rule checks them; then groups of Config's rule for the parameters in none. Made
+    from param_groups, or shared with a torch Adam/AdamW (its schedulers then drive the engine).
+    Returns the groups, each parameter's group, and each matrix rule parameter's view (_matrix_view),
+    by identity."""
     adopt = optimizer is not None
     if adopt and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(f"zero.Zero: optimizer={type(optimizer).__name__}; zero steps AdamW: "
                          "pass a torch.optim.AdamW (or Adam), or none")
+    if adopt and cfg.update != "adamw":
+        raise ValueError(f"zero.Zero: update={cfg.update!r} with optimizer=: a torch Adam/AdamW's "
+                         f"groups leave nothing to {cfg.update}; pass param_groups with 'update': "
+                         f"{cfg.update!r}, or no optimizer")
     name = {id(p): n for n, p in model.named_parameters()}
-    trainable = [p for p in model.parameters() if p.requires_grad]
     groups = list(param_groups or [])       # ours to edit
     if adopt:
         groups = optimizer.param_groups     # the same dicts: a change to either is the other's
@@ -2733,7 +2727,7 @@ def _param_groups(model, cfg, param_groups, optimizer):
                              f"of {list(RULES)}")
         keys = list(rule.keys)
         if rule.matrices:                   # its group may say how its tensors are matrices
-            keys += VIEW_KEYS
+            keys += ["view", "transposed"]
         unknown = sorted(set(g) - {"params", "update", *keys, *TORCH_DEFAULTS, *TORCH_ANY})
         if unknown:
             raise ValueError(f"zero.Zero: param_groups[{j}] has unknown keys {unknown}; zero's "
@@ -2762,18 +2756,13 @@ def _param_groups(model, cfg, param_groups, optimizer):
             groups[j] = dict(g, params=list(dict.fromkeys(ps)))
         for k, v in rule.defaults(cfg).items():
             groups[j].setdefault(k, v)
-    rest = [p for p in trainable if id(p) not in group_of]
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in group_of]
     if adopt and rest:
         names = [name[id(p)] for p in rest[:5]]
         raise ValueError(f"zero.Zero: {names} require grad but are in no param group of the "
                          "optimizer; add them to it, or freeze them before zero.Zero")
-    if adopt and cfg.update != "adamw":
-        raise ValueError(f"zero.Zero: update={cfg.update!r} with optimizer=: a torch Adam/AdamW's "
-                         f"groups leave nothing to {cfg.update}; pass param_groups with 'update': "
-                         f"{cfg.update!r}, or no optimizer")
     # parameters in no group: Config's rule with Config's values, weight decay on >= 2-D ones only; a
-    # matrix rule on the matrices the modules say (as in nanoGPT and Hugging Face's models: not the
-    # embeddings, nor the head), AdamW at adamw_lr on the rest
+    # matrix rule on the matrices _module_views takes by default, AdamW at adamw_lr on the rest
     main = RULES[cfg.update]
     module_views = {}                       # (asked of the modules for a matrix rule only)
     if main.matrices or any(RULES[g.get("update", "adamw")].matrices for g in groups):
@@ -2801,10 +2790,9 @@ def _param_groups(model, cfg, param_groups, optimizer):
             raise ValueError(f"zero.Zero: {rule.name!r} with offload=True: that rule runs on the "
                              "device only; use offload=False, or another update rule")
         _check_group("zero.Zero", j, g)
-        if not rule.matrices:
-            continue
-        for p in g["params"]:
-            views[id(p)] = _matrix_view(j, g, p, module_views.get(id(p)), name[id(p)], rule)
+        if rule.matrices:
+            for p in g["params"]:
+                views[id(p)] = _matrix_view(j, g, p, module_views.get(id(p)), name[id(p)], rule)
     return groups, group_of, views
 
 

@@ -6181,3 +6181,49 @@ def test_rules_in_torch_ops_run_compiled_on_the_host_as_op_by_op():
     said = res["said"]
     assert len(said) == 1 and "rule 'ademamix' runs op by op" in said[0] and "no compiler here" in said[0], said
     assert all(torch.equal(v, res[("ademamix", "op by op")]["sd"][k]) for k, v in res["failed"]["sd"].items())
+
+
+# -----------------------------------------------------------------------------
+# issue 38: a matrix no rank had a gradient for is left alone by a matrix rule (its weight, decay included, and
+# its state), as torch's optimizers leave a parameter whose .grad is None; one some ranks used is stepped
+
+class IdleMatrix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(11, 16), nn.Linear(16, 11)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 24, bias=False), nn.Linear(24, 16, bias=False))
+                                    for _ in range(2))
+        self.idle = nn.Linear(16, 16, bias=False)     # never called
+        self.rare = nn.Linear(16, 16, bias=False)     # called on rank 0 only
+        self.use_rare = False
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        if self.use_rare:
+            h = self.rare(h)
+        return F.cross_entropy(self.head(h).view(-1, 11), y.view(-1))
+
+
+def _idle_matrix_cases(rank, world):
+    out = {}
+    for stage in (0, 2, 3):
+        torch.manual_seed(0)
+        model = IdleMatrix()
+        model.use_rare = rank == 0
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        engine = zero.Zero(model, zero.Config(stage=stage, dtype="fp32", update="muon", lr=0.02, weight_decay=0.1))
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            x = torch.randint(0, 11, (4, 5), generator=g)
+            engine.backward(engine(x, x))
+            engine.step()
+        sd = engine.full_state_dict()
+        out[stage] = {k: torch.equal(sd[k], before[k]) for k in ("idle.weight", "rare.weight", "blocks.0.0.weight")}
+    return out
+
+
+def test_a_matrix_no_rank_had_a_gradient_for_is_left_alone():
+    for stage, same in spawn(_idle_matrix_cases, 2)[0].items():
+        assert same == {"idle.weight": True, "rare.weight": False, "blocks.0.0.weight": False}, (stage, same)

@@ -3116,9 +3116,8 @@ def _close_groups():
 def _diverged(engine, every):
     # the ranks' collectives or calls differed in this step: say which, change nothing, and stop
     names = {u.index: u.name for u in engine.units}  # a collective's tag (None: the step's)
-    said = []                           # each rank's trace in words, "nothing" past its end
-    for t, _, _ in every:
-        said.append([f"{k} of {names.get(i, 'the step')}" for k, i in t] + ["nothing"])
+    # each rank's trace in words, "nothing" past its end
+    said = [[f"{k} of {names.get(i, 'the step')}" for k, i in t] + ["nothing"] for t, _, _ in every]
     t0 = every[0][0]
     diff = "?"
     for r, (t, _, _) in enumerate(every):
@@ -3160,9 +3159,8 @@ class Calls:
                 self.store = dist.distributed_c10d._get_default_store()
 
     def call(self, what, check=False):
-        """A call counted and logged; RARE ones, those after eval forwards (`check`), and all with
-        check_calls first checked in the store (each rank counted in at key n): a collective made
-        alone would pair with another one (gloo aborts, NCCL hangs)."""
+        # counted and logged, then checked where asked (each rank counts in at key n): a collective
+        # one rank made alone would pair with another one (gloo aborts, NCCL hangs)
         self.counts[what] += 1
         n = sum(self.counts.values())
         self.log.append((n, what))
@@ -3174,7 +3172,9 @@ class Calls:
         try:
             if self.store.add(f"{key}/{what}", 1) == self.net.world:
                 self.store.set(f"{key}/all", what)
-                self.forget()               # every rank is past the call checked before
+                for old in self.checked:    # every rank is past the call checked before: its keys
+                    with contextlib.suppress(Exception):    # go (a store that cannot delete keeps them)
+                        self.store.delete_key(old)
             why = self.net.until(ready)
         except Exception:                   # the store gone: its host rank died
             why = ""
@@ -3204,19 +3204,15 @@ class Calls:
             self.store.set(f"{self.prefix}/last/{self.net.rank}", value)
             self.posted = n
 
-    def forget(self):
-        # the keys of the call this rank checked last, once every rank counted in at a later one (so
-        # all have read them); a store that cannot delete keeps them
-        for key in self.checked:
-            with contextlib.suppress(Exception):
-                self.store.delete_key(key)
-        self.checked = []
-
     def read(self, ranks):
         # what each of `ranks` posted, of those that did: a check per key, then one read of them all
+        # where the store has multi_get (newer torch)
         keys = {r: f"{self.prefix}/last/{r}" for r in ranks}
         there = [r for r, key in keys.items() if self.store.check([key])]
-        values = _multi_get(self.store, [keys[r] for r in there])
+        if there and hasattr(self.store, "multi_get"):
+            values = self.store.multi_get([keys[r] for r in there])
+        else:
+            values = [self.store.get(keys[r]) for r in there]
         return {r: json.loads(v) for r, v in zip(there, values)}
 
     def compare(self):
@@ -3291,15 +3287,6 @@ class _Poll:
             time.sleep(self.due - now)
 
 
-def _multi_get(store, keys):
-    # the values of keys that exist, in one request where the store has multi_get (newer torch)
-    if not keys:
-        return []
-    if hasattr(store, "multi_get"):
-        return store.multi_get(keys)
-    return [store.get(k) for k in keys]
-
-
 def _more_calls(counts):
     # "rank 1 made 1 forward() more than rank 0", from each rank's counts of its calls
     out = []
@@ -3319,7 +3306,7 @@ class Ledger:
     apart, reported with the step after them under "between_steps"."""
 
     def __init__(self):
-        self.kinds = {}                     # kind -> (calls, elements, bytes) since the last step
+        self.kinds = {}                     # kind -> {calls, elements, bytes} since the last step
         self.apart = {}                     # the same, of the calls between steps (RARE) since then
         self.between = False                # the collectives counted now are a RARE call's
 
@@ -3330,16 +3317,17 @@ class Ledger:
         ledger = self.kinds
         if self.between:                    # a state dict's, a save's, a load's: not the step's
             ledger = self.apart
-        calls, e, b = ledger.get(kind, (0, 0, 0))
-        ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
+        moved = ledger.setdefault(kind, dict(calls=0, elements=0, bytes=0))
+        moved["calls"] += 1
+        moved["elements"] += elems
+        moved["bytes"] += elems * elem_size
 
     def new_step(self):
         # what the step moved, by kind, as comm() reports it, and under "between_steps" what the calls
         # between it and the step before moved; both start again
-        moved = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.kinds.items()}
+        moved = self.kinds
         if self.apart:
-            moved["between_steps"] = {k: dict(calls=c, elements=e, bytes=b)
-                                      for k, (c, e, b) in self.apart.items()}
+            moved["between_steps"] = self.apart
         self.kinds = {}
         self.apart = {}
         return moved
@@ -3347,36 +3335,31 @@ class Ledger:
 # Flat's tensors beside the state: memory()'s kind, and whether offload holds them on the host
 TENSORS = {"flat": ("params", False), "shard": ("params", False), "grad": ("grads", False),
            "acc": ("grads", False), "grad_shard": ("grads", True), "staging": ("params", True)}
+KINDS = ("params", "grads", "master", "optim", "frozen")     # memory()'s kinds of model state
 
-
-def _held(f):
-    # (tensor, memory()'s kind, "device" or "host") of each tensor it has now
-    out = []
-    for name, (kind, offloaded) in TENSORS.items():
-        t = getattr(f, name)
-        if t is not None:
-            out.append((t, kind, "host" if offloaded and f.plan.offload else "device"))
-    for k, t in f.state.items():
-        kind = "master" if k == "master" else "optim"
-        out.append((t, kind, "host" if f.plan.offload else "device"))
-    if not f.trainable:              # frozen: on the device, whatever its role
-        return [(t, "frozen", "device") for t, _, _ in out]
-    return out
-
-# -- the gradient, from autograd's .grad to the reduced owned slice
 
 def _memory(engine):
     """Bytes of model state this rank holds, by kind, on the device and the host, from the
     tensors' storages, each once (on a CPU-only machine "device" and "host" are one memory,
     split by role); of the host's, pinned_memory() says what is pinned."""
-    out = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
-           for w in ("device", "host")}
+    out = {w: dict.fromkeys(KINDS, 0) for w in ("device", "host")}
     seen = set()                        # storages counted: views share one
     for f in (f for u in engine.units for f in u.flats):
-        for t, kind, where in _held(f):
+        # each tensor the buffer has now, its kind, and whether offload holds it on the host
+        held = [(getattr(f, name), kind, host) for name, (kind, host) in TENSORS.items()]
+        held += [(t, "optim", True) for k, t in f.state.items() if k != "master"]
+        held.append((f.state.get("master"), "master", True))
+        for t, kind, host in held:
+            if t is None:
+                continue
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
+                where = "device"
+                if not f.trainable:         # frozen: on the device, whatever its role
+                    kind = "frozen"
+                elif host and f.plan.offload:
+                    where = "host"
                 out[where][kind] += st.nbytes()
     for m in engine.matrix_steps:         # a matrix rule's owner state, of the matrices it owns
         out["device"]["optim"] += sum(t.untyped_storage().nbytes() for t in m.held())
@@ -3386,7 +3369,7 @@ def _memory(engine):
 def _pinned_memory(engine):
     """The host bytes of memory() that CUDA has page-locked, by kind: with offload on CUDA the
     gradient shard (grads) and the 16-bit staging copy (params), crossing the bus each step."""
-    out = dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
+    out = dict.fromkeys(KINDS, 0)
     for kind, (block, used, pinned) in engine.pinned.items():
         if pinned:
             out[PINNED[kind]] += used * block.element_size()
@@ -3503,12 +3486,10 @@ def save(engine, path, extra=None):
         blob["extra"] = extra
         blob["buffers"] = {k: v.detach().cpu() for k, v in _model_state(engine.module).items()
                            if id(v) not in engine.owned}
-    fname = os.path.join(d, f"rank_{net.rank:05d}.pt")
-    # a load checks what it reads against this list, not whole files; the file's sha256 is taken as
-    # it is written, for meta.json
+    # what a load checks where it reads; the whole file's sha256 (for meta.json) is taken as it is written
     blob["sums"] = json.dumps({repr(p): _crc(t) for p, t in _leaves(blob) if isinstance(t, torch.Tensor)})
-    digest = hashlib.sha256()               # of the file, as torch.save writes it
-    _write_atomic(fname, lambda f: torch.save(blob, _Hashing(f, digest)))
+    digest = hashlib.sha256()
+    _write_atomic(os.path.join(d, f"rank_{net.rank:05d}.pt"), lambda f: torch.save(blob, _Hashing(f, digest)))
     sums = net.all_gather_object(digest.hexdigest())
     if net.rank == 0:
         cfg = engine.cfg
@@ -3598,24 +3579,18 @@ class _Files:
             for p in f["params"]:           # (before format 4, every trained buffer's was AdamW)
                 self.rules[p["name"]] = None if f["frozen"] else f.get("update", "adamw")
 
-    def __call__(self, r):                  # weights_only: a checkpoint is data, never code
-        if r in self.open:
-            return self.open[r]
-        fname = os.path.join(self.d, f"rank_{r:05d}.pt")
-        try:                                # format 5: each tensor's CRC-32, checked as get() reads it
-            blob = torch.load(fname, map_location="cpu", weights_only=True, mmap=True)
-            if self.meta["format"] not in OLD:
-                self.sums[r] = json.loads(blob.pop("sums"))
-        except Exception as e:              # cut short (no zip directory), bytes changed
-            raise ValueError(f"zero: {fname} is truncated or corrupted (reading it raised "
-                             f"{type(e).__name__}); use an earlier checkpoint") from e
-        self.open[r] = blob
-        return blob
-
     def get(self, r, *path):
-        # file r's value at `path` (keys, indices), each tensor in it checked against its checksum the
-        # first time a load reads it; None where there is no such key
-        x = self(r)
+        # file r's value at `path` (keys, indices), its tensors checked; None where there is no such key
+        fname = os.path.join(self.d, f"rank_{r:05d}.pt")
+        if r not in self.open:              # weights_only: a checkpoint is data, never code
+            try:                            # format 5: each tensor's CRC-32, checked below
+                self.open[r] = torch.load(fname, map_location="cpu", weights_only=True, mmap=True)
+                if self.meta["format"] not in OLD:
+                    self.sums[r] = json.loads(self.open[r].pop("sums"))
+            except Exception as e:          # cut short (no zip directory), bytes changed
+                raise ValueError(f"zero: {fname} is truncated or corrupted (reading it raised "
+                                 f"{type(e).__name__}); use an earlier checkpoint") from e
+        x = self.open[r]
         for k in path:
             if isinstance(x, dict):
                 x = x.get(k)
@@ -3626,7 +3601,7 @@ class _Files:
             if r not in self.sums or not isinstance(t, torch.Tensor) or (r, key) in self.checked:
                 continue
             if _crc(t) != self.sums[r].get(key):
-                raise ValueError(f"zero: {self.d}/rank_{r:05d}.pt is truncated or corrupted (the "
+                raise ValueError(f"zero: {fname} is truncated or corrupted (the "
                                  f"CRC-32 of {key} differs from the save's); use an earlier checkpoint")
             self.checked.add((r, key))
         return x
@@ -3703,8 +3678,9 @@ def load(engine, path):
                       f"engine {len(groups)}: the engine's hyperparameters are kept")
     if meta["world_size"] == engine.world:  # the same ranks again: each goes on with its own stream
         torch.set_rng_state(f.get(engine.rank, "rng"))
-        if "cuda_rng" in f(engine.rank) and engine.device.type == "cuda":
-            torch.cuda.set_rng_state(f.get(engine.rank, "cuda_rng"), engine.device)
+        cuda_rng = f.get(engine.rank, "cuda_rng")   # (None: saved without CUDA)
+        if cuda_rng is not None and engine.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_rng, engine.device)
     return dict(meta, extra=f.get(0, "extra"))
 
 

@@ -3037,7 +3037,7 @@ def _restore(engine, prepare, what, filled=None):
     new = []                                # (flat buffer, its new shard state)
     rounded = []                            # frozen parameters the compute dtype does not hold
     try:                                    # phase 1: this rank's owned slices into fresh tensors
-        read, extra = prepare()
+        read, buffers = prepare()
         for f in (f for u in engine.units for f in u.flats):
             master = f.state["master"]      # a slice read() does not have keeps its value ...
             moments = {k: torch.zeros(v.shape) for k, v in f.state.items() if k != "master"}
@@ -3074,8 +3074,8 @@ def _restore(engine, prepare, what, filled=None):
         _regather([u.stale() for u in engine.trained])
     with torch.no_grad():
         for k, v in _model_state(engine.module).items():
-            if k in extra:
-                v.copy_(extra[k])
+            if k in buffers:
+                v.copy_(buffers[k])
     engine._filled(filled)
     return rounded
 
@@ -3140,8 +3140,7 @@ class Calls:
     after evaluation forwards (`check`) and, with Config(check_calls=True) or
     TORCH_DISTRIBUTED_DEBUG=DETAIL, every call, before their first collective; and, in a wait that
     runs long (Comm.until), the last calls ranks 0 and 1 posted: a call one rank made alone is named in
-    seconds, never a hang or a step on mismatched shards. Ranks waiting together ask the store at most
-    STORE_RATE times a second, whatever their number."""
+    seconds, never a hang or a step on mismatched shards (asking the store at most STORE_RATE a second)."""
 
     def __init__(self, net, cfg):
         self.net = net                      # the engine's Comm: its world, timeout and waits
@@ -3607,8 +3606,7 @@ class _Files:
         return x
 
     def read(self, name, start, n, key):
-        # elements [start, start+n) of a saved parameter; element e of buffer i is in slice
-        # e // size of shard group i % R's files
+        # elements [start, start+n) of a saved parameter, from the files that hold them (see save())
         if n == 0:                          # a 0-element parameter
             return torch.zeros(0)
         rule = self.rules[name]

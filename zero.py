@@ -3007,9 +3007,8 @@ def _load_state_dict(engine, state_dict, strict=True):
             for u in engine.units for p in u.params}
     missing = [k for k, t in want.items() if k not in state_dict and not slot.get(id(t))]
     unexpected = [k for k in state_dict if k not in want]
-    shape_of = {k: list(v.shape) for k, v in state_dict.items() if k in want}
-    bad = dict.fromkeys(k for k, shape in shape_of.items() if shape != list(want[k].shape))
-    shapes = [f"{k}: {shape_of[k]} vs the model's {list(want[k].shape)}" for k in bad]
+    bad = [k for k, v in state_dict.items() if k in want and v.shape != want[k].shape]
+    shapes = [f"{k}: {list(state_dict[k].shape)} vs the model's {list(want[k].shape)}" for k in bad]
     if strict:
         _mismatch("load_state_dict:", missing, unexpected, shapes)
     use = {i: k for i, k in slot.items() if k is not None and k not in bad}
@@ -3017,7 +3016,7 @@ def _load_state_dict(engine, state_dict, strict=True):
     def read(name, p, start, n, key):   # the master weights only
         if key == "master" and id(p) in use:
             return state_dict[use[id(p)]].reshape(-1)[start:start + n]
-    bufs = {k: state_dict[k] for k in shape_of if k not in bad and id(want[k]) not in slot}
+    bufs = {k: v for k, v in state_dict.items() if k in want and k not in bad and id(want[k]) not in slot}
     filled = {a for i in use for a in aliases[i]} | set(bufs)
     _warn_rounded(_restore(engine, lambda: (read, bufs), "load the state_dict", filled), engine.cfg.dtype)
     engine._resume(engine.step_count, {})   # the rules start fresh
@@ -3534,6 +3533,9 @@ def _delete_old(path, newest, net):
             shutil.rmtree(d, ignore_errors=True)
 
 
+_Saved = collections.namedtuple("_Saved", "flat offset size shape rule")   # a parameter in a checkpoint
+
+
 class _Files:
     """A checkpoint (its directory, or its parent's `latest`): its meta, its rank files opened once,
     memory-mapped. Each tensor is checked against its file's checksums the first time get() reads it;
@@ -3568,15 +3570,13 @@ class _Files:
             if self.meta["format"] in OLD and _sha256(fname) != self.meta["sha256"][name]:
                 raise ValueError(f"zero: {fname} is truncated or corrupted (its sha256 does not "
                                  "match meta.json); use an earlier checkpoint")
-        # name -> (flat, offset, shard size at save time, shape) in the saved layout (format 2 has
-        # no gaps, and shards of the unpadded length's share)
-        sizes = [f.get("shard", -(-f["numel"] // self.meta["shards"])) for f in self.meta["flats"]]
-        self.saved = {p["name"]: (i, p["offset"], sizes[i], p["shape"])
-                      for i, f in enumerate(self.meta["flats"]) for p in f["params"]}
-        self.rules = {}                     # name -> the rule that stepped it (None: frozen)
-        for f in self.meta["flats"]:
-            for p in f["params"]:           # (before format 4, every trained buffer's was AdamW)
-                self.rules[p["name"]] = None if f["frozen"] else f.get("update", "adamw")
+        # name -> _Saved: its buffer, offset, the buffer's shard size (format 2 has no gaps, and shards of
+        # the unpadded length's share), shape, and rule (None: frozen; before format 4, AdamW)
+        flats = self.meta["flats"]
+        sizes = [f.get("shard", -(-f["numel"] // self.meta["shards"])) for f in flats]
+        rules = [None if f["frozen"] else f.get("update", "adamw") for f in flats]
+        self.saved = {p["name"]: _Saved(i, p["offset"], sizes[i], p["shape"], rules[i])
+                      for i, f in enumerate(flats) for p in f["params"]}
 
     def get(self, r, *path):
         # file r's value at `path` (keys, indices), its tensors checked; None where there is no such key
@@ -3600,8 +3600,8 @@ class _Files:
             if r not in self.sums or not isinstance(t, torch.Tensor) or (r, key) in self.checked:
                 continue
             if _crc(t) != self.sums[r].get(key):
-                raise ValueError(f"zero: {fname} is truncated or corrupted (the "
-                                 f"CRC-32 of {key} differs from the save's); use an earlier checkpoint")
+                raise ValueError(f"zero: {fname} is truncated or corrupted (the CRC-32 of {key} differs "
+                                 "from the save's); use an earlier checkpoint")
             self.checked.add((r, key))
         return x
 
@@ -3609,10 +3609,9 @@ class _Files:
         # elements [start, start+n) of a saved parameter, from the files that hold them (see save())
         if n == 0:                          # a 0-element parameter
             return torch.zeros(0)
-        rule = self.rules[name]
+        i, offset, size, _, rule = self.saved[name]
         if key != "master" and (rule is None or key not in RULES[rule].states):
             return None                     # saved frozen, or by a rule without this state
-        i, offset, size, _ = self.saved[name]
         first = (i % self.meta.get("replicas", 1)) * self.meta["shards"]   # that group's first file
         out = []
         a, end = offset + start, offset + start + n   # the elements [a, end) in the saved layout
@@ -3637,13 +3636,13 @@ def load(engine, path):
         f = _Files(path, (engine.rank, engine.world))
         mine = {n: list(p.shape) for u in engine.units for x in u.flats
                 for n, p in zip(x.names, x.params)}
-        shapes = [f"{n} {s} vs {f.saved[n][3]}" for n, s in mine.items()
-                  if n in f.saved and s != f.saved[n][3]]
+        shapes = [f"{n} {s} vs {f.saved[n].shape}" for n, s in mine.items()
+                  if n in f.saved and s != f.saved[n].shape]
         _mismatch("the checkpoint is of another model:", [n for n in mine if n not in f.saved],
                   [n for n in f.saved if n not in mine], shapes)
         for x in (x for u in engine.units for x in u.trains):
             for n in x.names:               # a state is the rule's that wrote it: never another's
-                saved = f.rules[n]
+                saved = f.saved[n].rule
                 if saved is not None and saved != x.rule.name:
                     raise ValueError(f"zero: the checkpoint's '{n}' was trained with {saved}, the "
                                      f"engine's with {x.rule.name}: give it the checkpoint's "

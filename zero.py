@@ -3304,7 +3304,7 @@ class Ledger:
     apart, reported with the step after them under "between_steps"."""
 
     def __init__(self):
-        self.kinds = {}                     # kind -> {calls, elements, bytes} since the last step
+        self.kinds = {}                     # kind -> (calls, elements, bytes) since the last step
         self.apart = {}                     # the same, of the calls between steps (RARE) since then
         self.between = False                # the collectives counted now are a RARE call's
 
@@ -3315,17 +3315,15 @@ class Ledger:
         ledger = self.kinds
         if self.between:                    # a state dict's, a save's, a load's: not the step's
             ledger = self.apart
-        moved = ledger.setdefault(kind, dict(calls=0, elements=0, bytes=0))
-        moved["calls"] += 1
-        moved["elements"] += elems
-        moved["bytes"] += elems * elem_size
+        calls, e, b = ledger.get(kind, (0, 0, 0))
+        ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
 
     def new_step(self):
-        # what the step moved, by kind, as comm() reports it, and under "between_steps" what the calls
-        # between it and the step before moved; both start again
-        moved = self.kinds
+        # what the step moved, by kind, as comm() reports it (the calls before it apart); both start again
+        moved = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.kinds.items()}
         if self.apart:
-            moved["between_steps"] = self.apart
+            moved["between_steps"] = {k: dict(calls=c, elements=e, bytes=b)
+                                      for k, (c, e, b) in self.apart.items()}
         self.kinds = {}
         self.apart = {}
         return moved

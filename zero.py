@@ -3003,9 +3003,8 @@ def _load_state_dict(engine, state_dict, strict=True):
             for u in engine.units for p in u.params}
     missing = [k for k, t in want.items() if k not in state_dict and not slot.get(id(t))]
     unexpected = [k for k in state_dict if k not in want]
-    shape_of = {k: list(v.shape) for k, v in state_dict.items() if k in want}
-    bad = dict.fromkeys(k for k, shape in shape_of.items() if shape != list(want[k].shape))
-    shapes = [f"{k}: {shape_of[k]} vs the model's {list(want[k].shape)}" for k in bad]
+    bad = [k for k, v in state_dict.items() if k in want and v.shape != want[k].shape]
+    shapes = [f"{k}: {list(state_dict[k].shape)} vs the model's {list(want[k].shape)}" for k in bad]
     if strict:
         _mismatch("load_state_dict:", missing, unexpected, shapes)
     use = {i: k for i, k in slot.items() if k is not None and k not in bad}
@@ -3013,7 +3012,7 @@ def _load_state_dict(engine, state_dict, strict=True):
     def read(name, p, start, n, key):   # the master weights only
         if key == "master" and id(p) in use:
             return state_dict[use[id(p)]].reshape(-1)[start:start + n]
-    bufs = {k: state_dict[k] for k in shape_of if k not in bad and id(want[k]) not in slot}
+    bufs = {k: v for k, v in state_dict.items() if k in want and k not in bad and id(want[k]) not in slot}
     filled = {a for i in use for a in aliases[i]} | set(bufs)
     _warn_rounded(_restore(engine, lambda: (read, bufs), "load the state_dict", filled), engine.cfg.dtype)
     engine._resume(engine.step_count, {})   # the rules start fresh
@@ -3033,7 +3032,7 @@ def _restore(engine, prepare, what, filled=None):
     new = []                                # (flat buffer, its new shard state)
     rounded = []                            # frozen parameters the compute dtype does not hold
     try:                                    # phase 1: this rank's owned slices into fresh tensors
-        read, extra = prepare()
+        read, buffers = prepare()
         for f in (f for u in engine.units for f in u.flats):
             master = f.state["master"]      # a slice read() does not have keeps its value ...
             moments = {k: torch.zeros(v.shape) for k, v in f.state.items() if k != "master"}
@@ -3070,8 +3069,8 @@ def _restore(engine, prepare, what, filled=None):
         _regather([u.stale() for u in engine.trained])
     with torch.no_grad():
         for k, v in _model_state(engine.module).items():
-            if k in extra:
-                v.copy_(extra[k])
+            if k in buffers:
+                v.copy_(buffers[k])
     engine._filled(filled)
     return rounded
 
@@ -3113,9 +3112,8 @@ def _close_groups():
 def _diverged(engine, every):
     # the ranks' collectives or calls differed in this step: say which, change nothing, and stop
     names = {u.index: u.name for u in engine.units}  # a collective's tag (None: the step's)
-    said = []                           # each rank's trace in words, "nothing" past its end
-    for t, _, _ in every:
-        said.append([f"{k} of {names.get(i, 'the step')}" for k, i in t] + ["nothing"])
+    # each rank's trace in words, "nothing" past its end
+    said = [[f"{k} of {names.get(i, 'the step')}" for k, i in t] + ["nothing"] for t, _, _ in every]
     t0 = every[0][0]
     diff = "?"
     for r, (t, _, _) in enumerate(every):
@@ -3138,8 +3136,7 @@ class Calls:
     after evaluation forwards (`check`) and, with Config(check_calls=True) or
     TORCH_DISTRIBUTED_DEBUG=DETAIL, every call, before their first collective; and, in a wait that
     runs long (Comm.until), the last calls ranks 0 and 1 posted: a call one rank made alone is named in
-    seconds, never a hang or a step on mismatched shards. Ranks waiting together ask the store at most
-    STORE_RATE times a second, whatever their number."""
+    seconds, never a hang or a step on mismatched shards (asking the store at most STORE_RATE a second)."""
 
     def __init__(self, net, cfg):
         self.net = net                      # the engine's Comm: its world, timeout and waits
@@ -3157,9 +3154,8 @@ class Calls:
                 self.store = dist.distributed_c10d._get_default_store()
 
     def call(self, what, check=False):
-        """A call counted and logged; RARE ones, those after eval forwards (`check`), and all with
-        check_calls first checked in the store (each rank counted in at key n): a collective made
-        alone would pair with another one (gloo aborts, NCCL hangs)."""
+        # counted and logged, then checked where asked (each rank counts in at key n): a collective
+        # one rank made alone would pair with another one (gloo aborts, NCCL hangs)
         self.counts[what] += 1
         n = sum(self.counts.values())
         self.log.append((n, what))
@@ -3171,7 +3167,9 @@ class Calls:
         try:
             if self.store.add(f"{key}/{what}", 1) == self.net.world:
                 self.store.set(f"{key}/all", what)
-                self.forget()               # every rank is past the call checked before
+                for old in self.checked:    # every rank is past the call checked before: its keys
+                    with contextlib.suppress(Exception):    # go (a store that cannot delete keeps them)
+                        self.store.delete_key(old)
             why = self.net.until(ready)
         except Exception:                   # the store gone: its host rank died
             why = ""
@@ -3201,19 +3199,15 @@ class Calls:
             self.store.set(f"{self.prefix}/last/{self.net.rank}", value)
             self.posted = n
 
-    def forget(self):
-        # the keys of the call this rank checked last, once every rank counted in at a later one (so
-        # all have read them); a store that cannot delete keeps them
-        for key in self.checked:
-            with contextlib.suppress(Exception):
-                self.store.delete_key(key)
-        self.checked = []
-
     def read(self, ranks):
         # what each of `ranks` posted, of those that did: a check per key, then one read of them all
+        # where the store has multi_get (newer torch)
         keys = {r: f"{self.prefix}/last/{r}" for r in ranks}
         there = [r for r, key in keys.items() if self.store.check([key])]
-        values = _multi_get(self.store, [keys[r] for r in there])
+        if there and hasattr(self.store, "multi_get"):
+            values = self.store.multi_get([keys[r] for r in there])
+        else:
+            values = [self.store.get(keys[r]) for r in there]
         return {r: json.loads(v) for r, v in zip(there, values)}
 
     def compare(self):
@@ -3288,15 +3282,6 @@ class _Poll:
             time.sleep(self.due - now)
 
 
-def _multi_get(store, keys):
-    # the values of keys that exist, in one request where the store has multi_get (newer torch)
-    if not keys:
-        return []
-    if hasattr(store, "multi_get"):
-        return store.multi_get(keys)
-    return [store.get(k) for k in keys]
-
-
 def _more_calls(counts):
     # "rank 1 made 1 forward() more than rank 0", from each rank's counts of its calls
     out = []
@@ -3332,8 +3317,7 @@ class Ledger:
         ledger[kind] = (calls + 1, e + elems, b + elems * elem_size)
 
     def new_step(self):
-        # what the step moved, by kind, as comm() reports it, and under "between_steps" what the calls
-        # between it and the step before moved; both start again
+        # what the step moved, by kind, as comm() reports it (the calls before it apart); both start again
         moved = {k: dict(calls=c, elements=e, bytes=b) for k, (c, e, b) in self.kinds.items()}
         if self.apart:
             moved["between_steps"] = {k: dict(calls=c, elements=e, bytes=b)
@@ -3345,36 +3329,31 @@ class Ledger:
 # Flat's tensors beside the state: memory()'s kind, and whether offload holds them on the host
 TENSORS = {"flat": ("params", False), "shard": ("params", False), "grad": ("grads", False),
            "acc": ("grads", False), "grad_shard": ("grads", True), "staging": ("params", True)}
+KINDS = ("params", "grads", "master", "optim", "frozen")     # memory()'s kinds of model state
 
-
-def _held(f):
-    # (tensor, memory()'s kind, "device" or "host") of each tensor it has now
-    out = []
-    for name, (kind, offloaded) in TENSORS.items():
-        t = getattr(f, name)
-        if t is not None:
-            out.append((t, kind, "host" if offloaded and f.plan.offload else "device"))
-    for k, t in f.state.items():
-        kind = "master" if k == "master" else "optim"
-        out.append((t, kind, "host" if f.plan.offload else "device"))
-    if not f.trainable:              # frozen: on the device, whatever its role
-        return [(t, "frozen", "device") for t, _, _ in out]
-    return out
-
-# -- the gradient, from autograd's .grad to the reduced owned slice
 
 def _memory(engine):
     """Bytes of model state this rank holds, by kind, on the device and the host, from the
     tensors' storages, each once (on a CPU-only machine "device" and "host" are one memory,
     split by role); of the host's, pinned_memory() says what is pinned."""
-    out = {w: dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
-           for w in ("device", "host")}
+    out = {w: dict.fromkeys(KINDS, 0) for w in ("device", "host")}
     seen = set()                        # storages counted: views share one
     for f in (f for u in engine.units for f in u.flats):
-        for t, kind, where in _held(f):
+        # each tensor the buffer has now, its kind, and whether offload holds it on the host
+        held = [(getattr(f, name), kind, host) for name, (kind, host) in TENSORS.items()]
+        held += [(t, "optim", True) for k, t in f.state.items() if k != "master"]
+        held.append((f.state.get("master"), "master", True))
+        for t, kind, host in held:
+            if t is None:
+                continue
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
+                where = "device"
+                if not f.trainable:         # frozen: on the device, whatever its role
+                    kind = "frozen"
+                elif host and f.plan.offload:
+                    where = "host"
                 out[where][kind] += st.nbytes()
     for m in engine.matrix_steps:         # a matrix rule's owner state, of the matrices it owns
         out["device"]["optim"] += sum(t.untyped_storage().nbytes() for t in m.held())
@@ -3384,7 +3363,7 @@ def _memory(engine):
 def _pinned_memory(engine):
     """The host bytes of memory() that CUDA has page-locked, by kind: with offload on CUDA the
     gradient shard (grads) and the 16-bit staging copy (params), crossing the bus each step."""
-    out = dict.fromkeys(("params", "grads", "master", "optim", "frozen"), 0)
+    out = dict.fromkeys(KINDS, 0)
     for kind, (block, used, pinned) in engine.pinned.items():
         if pinned:
             out[PINNED[kind]] += used * block.element_size()
@@ -3502,12 +3481,10 @@ def save(engine, path, extra=None):
         blob["extra"] = extra
         blob["buffers"] = {k: v.detach().cpu() for k, v in _model_state(engine.module).items()
                            if id(v) not in engine.owned}
-    fname = os.path.join(d, f"rank_{net.rank:05d}.pt")
-    # a load checks what it reads against this list, not whole files; the file's sha256 is taken as
-    # it is written, for meta.json
+    # what a load checks where it reads; the whole file's sha256 (for meta.json) is taken as it is written
     blob["sums"] = json.dumps({repr(p): _crc(t) for p, t in _leaves(blob) if isinstance(t, torch.Tensor)})
-    digest = hashlib.sha256()               # of the file, as torch.save writes it
-    _write_atomic(fname, lambda f: torch.save(blob, _Hashing(f, digest)))
+    digest = hashlib.sha256()
+    _write_atomic(os.path.join(d, f"rank_{net.rank:05d}.pt"), lambda f: torch.save(blob, _Hashing(f, digest)))
     sums = net.all_gather_object(digest.hexdigest())
     if net.rank == 0:
         cfg = engine.cfg
@@ -3553,6 +3530,9 @@ def _delete_old(path, newest, net):
             shutil.rmtree(d, ignore_errors=True)
 
 
+_Saved = collections.namedtuple("_Saved", "flat offset size shape rule")   # a parameter in a checkpoint
+
+
 class _Files:
     """A checkpoint (its directory, or its parent's `latest`): its meta, its rank files opened once,
     memory-mapped. Each tensor is checked against its file's checksums the first time get() reads it;
@@ -3587,34 +3567,26 @@ class _Files:
             if self.meta["format"] in OLD and _sha256(fname) != self.meta["sha256"][name]:
                 raise ValueError(f"zero: {fname} is truncated or corrupted (its sha256 does not "
                                  "match meta.json); use an earlier checkpoint")
-        # name -> (flat, offset, shard size at save time, shape) in the saved layout (format 2 has
-        # no gaps, and shards of the unpadded length's share)
-        sizes = [f.get("shard", -(-f["numel"] // self.meta["shards"])) for f in self.meta["flats"]]
-        self.saved = {p["name"]: (i, p["offset"], sizes[i], p["shape"])
-                      for i, f in enumerate(self.meta["flats"]) for p in f["params"]}
-        self.rules = {}                     # name -> the rule that stepped it (None: frozen)
-        for f in self.meta["flats"]:
-            for p in f["params"]:           # (before format 4, every trained buffer's was AdamW)
-                self.rules[p["name"]] = None if f["frozen"] else f.get("update", "adamw")
-
-    def __call__(self, r):                  # weights_only: a checkpoint is data, never code
-        if r in self.open:
-            return self.open[r]
-        fname = os.path.join(self.d, f"rank_{r:05d}.pt")
-        try:                                # format 5: each tensor's CRC-32, checked as get() reads it
-            blob = torch.load(fname, map_location="cpu", weights_only=True, mmap=True)
-            if self.meta["format"] not in OLD:
-                self.sums[r] = json.loads(blob.pop("sums"))
-        except Exception as e:              # cut short (no zip directory), bytes changed
-            raise ValueError(f"zero: {fname} is truncated or corrupted (reading it raised "
-                             f"{type(e).__name__}); use an earlier checkpoint") from e
-        self.open[r] = blob
-        return blob
+        # name -> _Saved: its buffer, offset, the buffer's shard size (format 2 has no gaps, and shards of
+        # the unpadded length's share), shape, and rule (None: frozen; before format 4, AdamW)
+        flats = self.meta["flats"]
+        sizes = [f.get("shard", -(-f["numel"] // self.meta["shards"])) for f in flats]
+        rules = [None if f["frozen"] else f.get("update", "adamw") for f in flats]
+        self.saved = {p["name"]: _Saved(i, p["offset"], sizes[i], p["shape"], rules[i])
+                      for i, f in enumerate(flats) for p in f["params"]}
 
     def get(self, r, *path):
-        # file r's value at `path` (keys, indices), each tensor in it checked against its checksum the
-        # first time a load reads it; None where there is no such key
-        x = self(r)
+        # file r's value at `path` (keys, indices), its tensors checked; None where there is no such key
+        fname = os.path.join(self.d, f"rank_{r:05d}.pt")
+        if r not in self.open:              # weights_only: a checkpoint is data, never code
+            try:                            # format 5: each tensor's CRC-32, checked below
+                self.open[r] = torch.load(fname, map_location="cpu", weights_only=True, mmap=True)
+                if self.meta["format"] not in OLD:
+                    self.sums[r] = json.loads(self.open[r].pop("sums"))
+            except Exception as e:          # cut short (no zip directory), bytes changed
+                raise ValueError(f"zero: {fname} is truncated or corrupted (reading it raised "
+                                 f"{type(e).__name__}); use an earlier checkpoint") from e
+        x = self.open[r]
         for k in path:
             if isinstance(x, dict):
                 x = x.get(k)
@@ -3625,20 +3597,18 @@ class _Files:
             if r not in self.sums or not isinstance(t, torch.Tensor) or (r, key) in self.checked:
                 continue
             if _crc(t) != self.sums[r].get(key):
-                raise ValueError(f"zero: {self.d}/rank_{r:05d}.pt is truncated or corrupted (the "
-                                 f"CRC-32 of {key} differs from the save's); use an earlier checkpoint")
+                raise ValueError(f"zero: {fname} is truncated or corrupted (the CRC-32 of {key} differs "
+                                 "from the save's); use an earlier checkpoint")
             self.checked.add((r, key))
         return x
 
     def read(self, name, start, n, key):
-        # elements [start, start+n) of a saved parameter; element e of buffer i is in slice
-        # e // size of shard group i % R's files
+        # elements [start, start+n) of a saved parameter, from the files that hold them (see save())
         if n == 0:                          # a 0-element parameter
             return torch.zeros(0)
-        rule = self.rules[name]
+        i, offset, size, _, rule = self.saved[name]
         if key != "master" and (rule is None or key not in RULES[rule].states):
             return None                     # saved frozen, or by a rule without this state
-        i, offset, size, _ = self.saved[name]
         first = (i % self.meta.get("replicas", 1)) * self.meta["shards"]   # that group's first file
         out = []
         a, end = offset + start, offset + start + n   # the elements [a, end) in the saved layout
@@ -3663,13 +3633,13 @@ def load(engine, path):
         f = _Files(path, (engine.rank, engine.world))
         mine = {n: list(p.shape) for u in engine.units for x in u.flats
                 for n, p in zip(x.names, x.params)}
-        shapes = [f"{n} {s} vs {f.saved[n][3]}" for n, s in mine.items()
-                  if n in f.saved and s != f.saved[n][3]]
+        shapes = [f"{n} {s} vs {f.saved[n].shape}" for n, s in mine.items()
+                  if n in f.saved and s != f.saved[n].shape]
         _mismatch("the checkpoint is of another model:", [n for n in mine if n not in f.saved],
                   [n for n in f.saved if n not in mine], shapes)
         for x in (x for u in engine.units for x in u.trains):
             for n in x.names:               # a state is the rule's that wrote it: never another's
-                saved = f.rules[n]
+                saved = f.saved[n].rule
                 if saved is not None and saved != x.rule.name:
                     raise ValueError(f"zero: the checkpoint's '{n}' was trained with {saved}, the "
                                      f"engine's with {x.rule.name}: give it the checkpoint's "
@@ -3702,8 +3672,9 @@ def load(engine, path):
                       f"engine {len(groups)}: the engine's hyperparameters are kept")
     if meta["world_size"] == engine.world:  # the same ranks again: each goes on with its own stream
         torch.set_rng_state(f.get(engine.rank, "rng"))
-        if "cuda_rng" in f(engine.rank) and engine.device.type == "cuda":
-            torch.cuda.set_rng_state(f.get(engine.rank, "cuda_rng"), engine.device)
+        cuda_rng = f.get(engine.rank, "cuda_rng")   # (None: saved without CUDA)
+        if cuda_rng is not None and engine.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_rng, engine.device)
     return dict(meta, extra=f.get(0, "extra"))
 
 

@@ -658,7 +658,8 @@ def _routed_cases(rank, world, cases, steps, per):
     out = {}
     for stage, dtype, accum, offload, skip in cases:
         torch.manual_seed(0)
-        cfg = zero.Config(stage=stage, dtype=dtype, lr=LR, accum_steps=accum, offload=offload, timeout_s=60)
+        cfg = zero.Config(stage=stage, dtype=dtype, lr=LR, accum_steps=accum, offload=offload, timeout_s=60,
+                          prefetch=(stage + accum + 2 * offload) % 4)   # stage 3 at depths 0, 1 and 3
         engine = zero.Zero(Routed(skip=skip), cfg)
         xs, ys = routed_batches(steps, world, per)
         losses, norms, mb = [], [], per // accum
@@ -3471,6 +3472,9 @@ def _check_cases(res, check):
 
 
 def _cfg(stage, accum=1, ck=False, off=False, **kw):
+    # the variants spread over prefetch depths 0-3 (stage 3's five: 0, 1, 1, 2, 3), so that every shape the suite
+    # builds is walked at several depths without more cases
+    kw.setdefault("prefetch", (stage + accum + int(ck) + int(off)) % 4)
     return zero.Config(stage=stage, dtype="fp32", lr=LR, accum_steps=accum, checkpoint=ck, offload=off, timeout_s=30,
                        **kw)
 

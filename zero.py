@@ -2348,8 +2348,14 @@ def _hoisted(gm, example_inputs):
         if node.op == "call_module":        # would call torch's by a path into torch)
             part = getattr(split, node.target)
             inputs = [n.meta["example_value"] for n in part.graph.nodes if n.op == "placeholder"]
+            if list(part.graph.nodes)[-1].op != "output":   # (torch < 2.5: a part returning nothing)
+                part.graph.output(())
+                part.recompile()
+            # compiled in its inputs' fake mode, not the caller's (torch 2.4's differ)
+            with torch._guards.tracing(None):
+                fn = inductor(part, inputs)
             node.op = "call_function"
-            node.target = lambda *args, fn=inductor(part, inputs): fn(*args)
+            node.target = lambda *args, fn=fn: fn(*args)
     split.recompile()
     return split
 

@@ -2211,7 +2211,7 @@ def test_bench_quick_runs():
     assert "| zero3 / base3 |" in r.stdout and "report_tput failed" not in r.stdout, r.stdout   # --baseline's rows
     ours = [ln for ln in r.stdout.split("### 3.")[0].splitlines() if ln.startswith("| zero")]
     assert len(ours) >= 8 and not any("failed" in ln for ln in ours), r.stdout[:3000]   # zero.py's own rows all ran
-    if torch.__version__ >= "2.6":      # the peers too (torch 2.4's FSDP2 needs CUDA)
+    if torch.__version__ >= "2.7":      # the peers too (torch 2.4-2.6's FSDP2 needs CUDA: measured 2.4.1-2.6.0)
         assert "failed" not in r.stdout.split("### 3.")[0], r.stdout[:3000]
 
 
@@ -3169,10 +3169,13 @@ def test_torch_compile_breaks_graphs_only_at_units():
         assert r["breaks"] <= 3 and blocks, (stage, r["breaks"], r["graphs"])
         want = ["layer_norm", "linear", "gelu", "linear"]
         assert all(want == [n for n in g if n != "dropout"][:4] for g in blocks), (stage, r["graphs"])
-        if torch.__version__ >= "2.5":   # modules inlined: the embedding, one block graph for all three, norm, head
-            assert len(r["graphs"]) == 4 and len(blocks) == 1, (stage, r["graphs"])
-        else:                            # torch 2.4 compiles each block on its own and the root's pieces not at all
+        if torch.__version__ >= "2.5":   # modules inlined: one block graph for all three
+            assert len(blocks) == 1, (stage, r["graphs"])
+        else:                            # torch 2.4 compiles each block on its own
             assert len(blocks) == 3, (stage, r["graphs"])
+        # the root's modules between the breaks (embedding; norm and head): graphs of their own (torch 2.13), or
+        # left to eager (2.4-2.7: explain() shows the block graphs alone)
+        assert len(r["graphs"]) in (len(blocks), len(blocks) + 3), (stage, r["graphs"])
 
 
 # -----------------------------------------------------------------------------
@@ -5254,7 +5257,7 @@ def test_bench_gpu_section_on_cpu():
     speed, rows = r["speed"], {(row[0], row[1]): row for row in r["speed_rows"]}
     names = ["torch", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
     assert list(speed) == [(n, "bf16") for n in names], speed.keys()
-    if torch.__version__ < "2.6":                       # torch 2.4's FSDP2 needs CUDA: its row says so
+    if torch.__version__ < "2.7":                       # torch 2.4-2.6's FSDP2 needs CUDA: its row says so
         assert isinstance(speed["fsdp2", "bf16"], str) and "failed" in rows["fsdp2", "bf16"][2]
         names.remove("fsdp2")
     base = speed["torch", "bf16"]
@@ -6170,10 +6173,13 @@ def test_rules_in_torch_ops_run_compiled_on_the_host_as_op_by_op():
             assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"] + r["norms"], losses + norms)), key
             assert all(torch.equal(r["sd"][k], init[k]) for k in init if "never" in k), key
         assert _max_update_rel(res[(rule, 2)]["sd"], res[(rule, "op by op")]["sd"], init, moved) < 5e-6, rule
-    assert res["ran"].get(True, 0) > 20 and set(res["ran"]) == {True}, res["ran"]
+    # torch 2.6 cannot trace a lerp whose weight is a 0-dim float64 tensor (2.4.1, 2.5.1, 2.7.1 and 2.13 can): both
+    # rules lerp, so there the first compile fails with one warning and every run is op by op
+    compiles = not "2.6" <= torch.__version__ < "2.7"
+    assert res["ran"].get(compiles, 0) > 20 and set(res["ran"]) == {compiles}, res["ran"]
     # one step on gapped runs, bf16 in and out: the elements of no run untouched, the out the master's rounding
     got, want = res["gapped"]["compiled"], res["gapped"]["op by op"]
-    assert res["gapped"]["ran"] == {True: 4}, res["gapped"]["ran"]
+    assert res["gapped"]["ran"] == {compiles: 4}, res["gapped"]["ran"]
     gaps = torch.zeros(160, dtype=torch.bool)
     gaps[57:64] = gaps[100:104] = True
     for k in ("master", "m1", "m2", "nu"):
@@ -6183,7 +6189,10 @@ def test_rules_in_torch_ops_run_compiled_on_the_host_as_op_by_op():
     assert torch.equal(got["out"][~gaps], got["master"][~gaps].bfloat16()) and got["out"][gaps].eq(0).all()
     # a compile that fails: one warning naming the rule and why; the same as op by op, to the bit
     said = res["said"]
-    assert len(said) == 1 and "rule 'ademamix' runs op by op" in said[0] and "no compiler here" in said[0], said
+    why = "no compiler here"                # (torch 2.6: the lerp fails first)
+    if not compiles:
+        why = "lerp_"
+    assert len(said) == 1 and "rule 'ademamix' runs op by op" in said[0] and why in said[0], said
     assert all(torch.equal(v, res[("ademamix", "op by op")]["sd"][k]) for k, v in res["failed"]["sd"].items())
 
 

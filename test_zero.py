@@ -319,15 +319,22 @@ def muon_split(model):
     return mats, [p for p in ps if all(p is not q for q in mats)]
 
 
-def muon_reference(steps, batch, cfg, orthogonalize=True, **model_kw):
+def muon_reference(steps, batch, cfg, orthogonalize=True, update=None, **model_kw):
     """Single process, fp32, the global batch: clip_grad_norm_ over all parameters, then muon.py's update on the
-    matrices at cfg.lr and torch AdamW on the rest at cfg.adamw_lr (decay on >= 2-D tensors)."""
+    matrices at cfg.lr (or update(name, p, grad): another matrix rule's) and torch AdamW on the rest at
+    cfg.adamw_lr (decay on >= 2-D tensors)."""
     model = make_model(**model_kw)
     mats, rest = muon_split(model)
     opt = torch.optim.AdamW([dict(params=[p for p in rest if p.dim() >= 2]),
                              dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0)],
                             lr=cfg.adamw_lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    moms = [torch.zeros_like(p) for p in mats]
+    names = {id(p): n for n, p in model.named_parameters()}
+    if update is None:                      # muon.py's, a momentum per matrix
+        moms = {}
+
+        def update(name, p, grad):
+            m = moms.setdefault(name, torch.zeros_like(p))
+            ref_muon_(p, grad, m, cfg.lr, cfg.weight_decay, orthogonalize=orthogonalize)
     xs, ys = make_batches(steps, batch)
     losses, norms = [], []
     for s in range(steps):
@@ -339,8 +346,8 @@ def muon_reference(steps, batch, cfg, orthogonalize=True, **model_kw):
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
         opt.step()
         with torch.no_grad():
-            for p, m in zip(mats, moms):
-                ref_muon_(p, p.grad, m, cfg.lr, cfg.weight_decay, orthogonalize=orthogonalize)
+            for p in mats:
+                update(names[id(p)], p, p.grad)
         losses.append(loss.item())
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -5667,32 +5674,6 @@ def nanochat_update(cfg):
     return update
 
 
-def nanochat_reference(steps, batch, cfg):
-    """Single process, fp32, the global batch: clip_grad_norm_, then nanochat's Muon on muon_split's matrices at
-    cfg.lr and torch AdamW on the rest at cfg.adamw_lr."""
-    model = make_model(**MUON_KW)
-    mats, rest = muon_split(model)
-    opt = torch.optim.AdamW([dict(params=[p for p in rest if p.dim() >= 2]),
-                             dict(params=[p for p in rest if p.dim() < 2], weight_decay=0.0)],
-                            lr=cfg.adamw_lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    update, names = nanochat_update(cfg), {id(p): n for n, p in model.named_parameters()}
-    xs, ys = make_batches(steps, batch)
-    losses, norms = [], []
-    for s in range(steps):
-        opt.zero_grad()
-        for p in mats:
-            p.grad = None
-        loss = model(xs[s], ys[s])["loss"]
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
-        opt.step()
-        with torch.no_grad():
-            for p in mats:
-                update(names[id(p)], p, p.grad)
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 class Shapes(nn.Module):
     """One module of each kind whose tensors a matrix rule must see as the module means them (issue 38.3)."""
     def __init__(self, d=6, h=8, experts=3, vocab=11, seq=5):
@@ -5838,23 +5819,10 @@ def test_each_rule_checks_its_groups_at_the_build_and_at_every_step():
         zero.Config(update="ademamix").validate()
 
 
-def unit_by_unit(units, n):
-    """Newton-Schulz wall time of the previous engine's layout: each unit's exchange waits for its busiest rank, the
-    matrices assigned greedily with the loads carried over from unit to unit."""
-    loads, wall = [0] * n, 0
-    for costs in units:
-        mine = [0] * n
-        for c in sorted(costs, reverse=True):
-            r = loads.index(min(loads))
-            loads[r] += c
-            mine[r] += c
-        wall += max(mine)
-    return wall
-
-
 def test_matrix_assignment_balances_newton_schulz_work_on_gpt_and_llama_shapes():
     """The engine's assignment over every matrix of GPT-2 XL (48 layers) and Llama-7B (32): the busiest rank's
     Newton-Schulz work within 1.1 of the mean at 8-64 ranks, where waiting unit by unit took 1.6-21x."""
+    import bench                            # its unit_by_unit: the previous engine's wall time
     gpt2_xl = [[(4800, 1600), (1600, 1600), (6400, 1600), (1600, 6400)]] * 48
     llama_7b = [[(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)]] * 32
     for name, units in (("GPT-2 XL", gpt2_xl), ("Llama-7B", llama_7b)):
@@ -5865,7 +5833,7 @@ def test_matrix_assignment_balances_newton_schulz_work_on_gpt_and_llama_shapes()
                 loads[owner] += c
             assert len(loads) == n and max(loads.values()) / (sum(costs) / n) <= 1.1, (name, n, loads)
             per_unit = [[zero.ns_cost(*s) for s in u] for u in units]
-            assert unit_by_unit(per_unit, n) / (sum(costs) / n) > 1.5, (name, n)
+            assert bench.unit_by_unit(per_unit, n) / (sum(costs) / n) > 1.5, (name, n)
 
 
 def _owner_states(engine):
@@ -5938,7 +5906,7 @@ def test_nanochat_muon_and_ademamix_written_as_rules_equal_their_references(tmp_
     res = {2: spawn(_rule_cases, 2, ckpt)}
     res.update({w: spawn(_rule_cases, w, ckpt) for w in (1, 4)})
     cfg = zero.Config(**NC)
-    ref = nanochat_reference(STEPS, MUON_BATCH, cfg)
+    ref = muon_reference(STEPS, MUON_BATCH, cfg, update=nanochat_update(cfg), **MUON_KW)
     for world, rs in res.items():           # measured: fp32 0 to 2.4e-2 (hybrid), bf16 0 to 2.5e-3: MUON_TOL's chaos
         ref16 = reference16(STEPS, MUON_BATCH, world, zero.Config(dtype="bf16", **NC), accum=2,
                             muon=nanochat_update(cfg), **MUON_KW)
@@ -5949,7 +5917,7 @@ def test_nanochat_muon_and_ademamix_written_as_rules_equal_their_references(tmp_
         _check_muon(res[4][0][("hybrid", stage)], ref, f"nanochat hybrid stage {stage}", "fp32", "")
     # one step equals nanochat's math to the bit at every stage; classic Muon's step is 0.45 away
     r2, init, mats = res[2][0], make_model(**MUON_KW).state_dict(), muon_names(make_model(**MUON_KW))
-    one = nanochat_reference(1, MUON_BATCH, cfg)[2]
+    one = muon_reference(1, MUON_BATCH, cfg, update=nanochat_update(cfg), **MUON_KW)[2]
     classic = muon_reference(1, MUON_BATCH, zero.Config(**MUON), **MUON_KW)[2]
     assert _max_update_rel(classic, one, init, mats) > 30 * ONE_STEP_TOL
     for stage in range(4):
